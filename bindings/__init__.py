@@ -1,0 +1,1 @@
+"""cffi bindings of the native pykvcache API (installed as pykvcache._bindings)."""

@@ -1,0 +1,1 @@
+"""Model resolution for pykvcache (installed as pykvcache._models)."""

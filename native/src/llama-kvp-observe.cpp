@@ -1,0 +1,508 @@
+// llama-kvp-observe.cpp - in-graph attention observation.
+//
+// Every layer with a KV cache keeps a ring of its last `window` post-RoPE queries (slot = pos % window). When a graph
+// observes, each layer computes softmax(Q_ring K^T * scale + mask) over its cells with the model's scale, softcap,
+// ALiBi and sinks, then reduces it on the device to
+//   - the per-head entropy of the attention rows, averaged over the valid window queries,
+//   - the per-head, per-cell attention mass, averaged over the valid window queries,
+//   - a decayed accumulation of the head-mean mass per cell.
+// Results stay in device buffers (one per buffer type of the KV cache) until llama_kvp_obs_* reads them.
+// Only standard ggml ops are used, so the subgraph runs on every backend that runs the model (CPU, CUDA).
+
+#include "llama-kvp-impl.h"
+
+#include "llama-arch.h"
+#include "llama-batch.h"
+#include "llama-cparams.h"
+#include "llama-graph.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+// nodes added per layer: ring write (~4) + observation (~30), rounded up
+static constexpr uint32_t LLAMA_KVP_NODES_PER_LAYER = 48;
+
+//
+// llama_kvp_kv_access
+//
+
+int32_t llama_kvp_kv_access::n_layers(const llama_kv_cache & kv) {
+    return (int32_t) kv.layers.size();
+}
+
+int32_t llama_kvp_kv_access::layer_il(const llama_kv_cache & kv, int32_t ikv) {
+    return (int32_t) kv.layers[ikv].il;
+}
+
+ggml_tensor * llama_kvp_kv_access::layer_k(const llama_kv_cache & kv, int32_t ikv) {
+    return kv.layers[ikv].k;
+}
+
+ggml_tensor * llama_kvp_kv_access::layer_v(const llama_kv_cache & kv, int32_t ikv) {
+    return kv.layers[ikv].v;
+}
+
+uint32_t llama_kvp_kv_access::n_stream(const llama_kv_cache & kv) {
+    return kv.n_stream;
+}
+
+uint32_t llama_kvp_kv_access::n_used(const llama_kv_cache & kv) {
+    uint32_t res = 0;
+    for (const auto & cells : kv.v_cells) {
+        res += cells.get_used();
+    }
+    return res;
+}
+
+bool llama_kvp_kv_access::cell_empty(const llama_kv_cache & kv, uint32_t i) {
+    return kv.v_cells[0].is_empty(i);
+}
+
+llama_pos llama_kvp_kv_access::cell_pos(const llama_kv_cache & kv, uint32_t i) {
+    return kv.v_cells[0].is_empty(i) ? -1 : kv.v_cells[0].pos_get(i);
+}
+
+//
+// pending policy (set by the caller before llama_init_from_model on the same thread)
+//
+
+static thread_local bool             g_pending_set = false;
+static thread_local llama_kvp_policy g_pending     = {};
+
+int32_t llama_kvp_set_pending(const struct llama_kvp_policy * policy) {
+    if (!policy) {
+        g_pending_set = false;
+        return 0;
+    }
+    if (llama_kvp_policy_validate(policy) != 0) {
+        return -1;
+    }
+    g_pending     = *policy;
+    g_pending_set = true;
+    return 0;
+}
+
+void llama_kvp_clear_pending(void) {
+    g_pending_set = false;
+}
+
+//
+// context init
+//
+
+static std::runtime_error llama_kvp_fail(const std::string & msg) {
+    llama_kvp_set_error(msg);
+    return std::runtime_error("pykvcache: " + msg);
+}
+
+std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
+        const llama_model   & model,
+        const llama_cparams & cparams,
+        llama_memory_i      * memory) {
+    if (!g_pending_set) {
+        return nullptr;
+    }
+    const llama_kvp_policy policy = g_pending;
+    g_pending_set = false; // consumed, also on failure
+
+    if (policy.type == LLAMA_KVP_POLICY_NONE) {
+        return nullptr;
+    }
+
+    const std::string pname = llama_kvp_policy_type_name(policy.type);
+    const std::string arch  = llm_arch_name(model.arch);
+    const auto & hparams = model.hparams;
+
+    {
+        const std::string err = llama_kvp_policy_check(policy);
+        if (!err.empty()) {
+            throw llama_kvp_fail(err);
+        }
+    }
+
+    auto * kv = dynamic_cast<llama_kv_cache *>(memory);
+    if (!kv) {
+        throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': it needs one unified "
+                "KV cache for all attention layers, and this model uses " +
+                (memory ? "a sliding-window, recurrent or hybrid memory" : "no KV cache"));
+    }
+    if (hparams.is_mla()) {
+        throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
+    }
+    if (llama_kvp_kv_access::n_stream(*kv) != 1 || cparams.n_seq_max != 1) {
+        throw llama_kvp_fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" +
+                std::to_string(cparams.n_seq_max));
+    }
+    if ((uint32_t) policy.window > kv->get_size()) {
+        throw llama_kvp_fail("policy '" + pname + "': window=" + std::to_string(policy.window) +
+                " is larger than the context (n_ctx=" + std::to_string(kv->get_size()) + ")");
+    }
+
+    auto st = std::make_unique<llama_kvp_context>(model);
+    st->policy      = policy;
+    st->kv          = kv;
+    st->causal_attn = cparams.causal_attn;
+    st->n_cells     = (int32_t) kv->get_size();
+
+    const int32_t n_kv_layers = llama_kvp_kv_access::n_layers(*kv);
+    if (n_kv_layers == 0) {
+        throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': it has no attention layer with a KV cache");
+    }
+
+    // all attention layers must share one head layout (the telemetry arrays are [n_layer, n_head])
+    for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
+        const uint32_t il = llama_kvp_kv_access::layer_il(*kv, ikv);
+        const int32_t n_head      = hparams.n_head(il);
+        const int32_t n_head_kv   = hparams.n_head_kv(il);
+        const int32_t n_embd_head = hparams.n_embd_head_k(il);
+        if (ikv == 0) {
+            st->n_head      = n_head;
+            st->n_head_kv   = n_head_kv;
+            st->n_embd_head = n_embd_head;
+        } else if (n_head != st->n_head || n_head_kv != st->n_head_kv || n_embd_head != st->n_embd_head) {
+            throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': attention layers differ in head count or size");
+        }
+    }
+    if (st->n_head <= 0 || st->n_head_kv <= 0 || st->n_head % st->n_head_kv != 0) {
+        throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': unsupported head layout");
+    }
+
+    // device-resident results, next to each layer's K cache
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
+    st->layer_of_il.assign(hparams.n_layer(), -1);
+    st->layers.resize(n_kv_layers);
+    for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
+        auto & L = st->layers[ikv];
+        L.il = llama_kvp_kv_access::layer_il(*kv, ikv);
+        if (L.il >= 0 && L.il < (int32_t) st->layer_of_il.size()) {
+            st->layer_of_il[L.il] = ikv;
+        }
+
+        ggml_tensor * k = llama_kvp_kv_access::layer_k(*kv, ikv);
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+
+        auto it = ctx_map.find(buft);
+        if (it == ctx_map.end()) {
+            ggml_init_params params = {
+                /*.mem_size   =*/ size_t(4u*n_kv_layers*ggml_tensor_overhead()),
+                /*.mem_buffer =*/ NULL,
+                /*.no_alloc   =*/ true,
+            };
+            ggml_context * ctx = ggml_init(params);
+            if (!ctx) {
+                throw llama_kvp_fail("failed to create a ggml context for the observation buffers");
+            }
+            st->ctxs_bufs.emplace_back(ggml_context_ptr(ctx), nullptr);
+            it = ctx_map.emplace(buft, ctx).first;
+        }
+        ggml_context * ctx = it->second;
+
+        L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, policy.window);
+        L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_cells, st->n_head);
+        L.mass_acc = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_cells);
+        L.entropy  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_head);
+        ggml_format_name(L.q_ring,   "kvp_q_ring-%d",   L.il);
+        ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
+        ggml_format_name(L.mass_acc, "kvp_mass_acc-%d", L.il);
+        ggml_format_name(L.entropy,  "kvp_entropy-%d",  L.il);
+    }
+
+    size_t total = 0;
+    for (auto & [buft, ctx] : ctx_map) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        if (!buf) {
+            throw llama_kvp_fail(std::string("failed to allocate the observation buffer in ") + ggml_backend_buft_name(buft));
+        }
+        ggml_backend_buffer_clear(buf, 0);
+        total += ggml_backend_buffer_get_size(buf);
+        for (auto & cb : st->ctxs_bufs) {
+            if (cb.first.get() == ctx) {
+                cb.second.reset(buf);
+            }
+        }
+    }
+
+    st->slot_pos.assign(policy.window, -1);
+    st->cell_pos_obs.assign(st->n_cells, -2);
+
+    char desc[256];
+    llama_kvp_policy_to_string(&policy, desc, sizeof(desc));
+    LLAMA_LOG_INFO("%s: pykvcache policy %s on %d layers x %d heads, %d cells, observation buffers %.2f MiB\n",
+            __func__, desc, n_kv_layers, st->n_head, st->n_cells, total/1024.0/1024.0);
+
+    return st;
+}
+
+void llama_kvp_context_check(llama_kvp_context * kvp) {
+    if (!kvp) {
+        return;
+    }
+    for (const auto & L : kvp->layers) {
+        if (!L.seen) {
+            throw llama_kvp_fail(std::string("policy '") + llama_kvp_policy_type_name(kvp->policy.type) +
+                    "' does not support architecture '" + llm_arch_name(kvp->model.arch) + "': layer " + std::to_string(L.il) +
+                    " computes attention through a path the policy cannot observe");
+        }
+    }
+}
+
+uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp) {
+    if (!kvp) {
+        return 0;
+    }
+    return LLAMA_KVP_NODES_PER_LAYER*(uint32_t) kvp->layers.size() + 16;
+}
+
+bool llama_kvp_context::want_obs(const llama_ubatch & ubatch) const {
+    if (!observing()) {
+        return false;
+    }
+    if (ubatch.n_tokens > 1) {
+        return true; // prompt batches always observe
+    }
+    if (obs_requested) {
+        return true;
+    }
+    return policy.every > 0 && (n_decode + 1) % policy.every == 0;
+}
+
+//
+// graph input: ring slots to write, observation mask, query weights and accumulation factors
+//
+
+class llama_kvp_obs_input : public llm_graph_input_i {
+public:
+    llama_kvp_obs_input(llama_kvp_context * st, bool obs, int64_t n_tokens, int64_t n_kv) :
+        st(st), obs(obs), n_tokens(n_tokens), n_kv(n_kv) {}
+
+    void set_input(const llama_ubatch * ubatch) override;
+    bool can_reuse(const llm_graph_params & params) override;
+
+    llama_kvp_context * st;
+
+    const bool    obs;
+    const int64_t n_tokens;
+    const int64_t n_kv;
+
+    ggml_tensor * ring_idx = nullptr; // I64 [n_write]        ring slots of the last n_write tokens
+    ggml_tensor * mask     = nullptr; // F32 [n_kv, window]    0 / -INF (or ALiBi distance) per window query
+    ggml_tensor * weights  = nullptr; // F32 [window, 1]       1/n_valid for valid window queries, else 0
+    ggml_tensor * keep     = nullptr; // F32 [n_kv]            decay where the cell still holds the same token, else 0
+};
+
+bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
+    const auto * mctx = static_cast<const llama_kv_cache_context *>(params.mctx);
+    return params.ubatch.n_tokens == n_tokens &&
+           (int64_t) mctx->get_n_kv() == n_kv &&
+           st->want_obs(params.ubatch) == obs;
+}
+
+void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
+    const int32_t W = st->policy.window;
+    const auto & kv = *st->kv;
+
+    // ring slots of the last n_write tokens
+    {
+        const int64_t n_write = ring_idx->ne[0];
+        int64_t * data = (int64_t *) ring_idx->data;
+        for (int64_t i = 0; i < n_write; ++i) {
+            const llama_pos p = ubatch->pos[n_tokens - n_write + i];
+            const int32_t   s = (int32_t) (p % W);
+            data[i] = s;
+            st->slot_pos[s] = p;
+        }
+    }
+
+    st->n_steps++;
+    if (ubatch->n_tokens == 1) {
+        st->n_decode++;
+    }
+
+    if (!obs) {
+        return;
+    }
+
+    llama_pos p_min = ubatch->pos[0];
+    llama_pos p_max = ubatch->pos[0];
+    for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
+        p_min = std::min(p_min, ubatch->pos[i]);
+        p_max = std::max(p_max, ubatch->pos[i]);
+    }
+
+    // valid window queries: the slots holding positions (p_max - W, p_max]
+    int32_t n_valid = 0;
+    std::vector<bool> valid(W, false);
+    for (int32_t s = 0; s < W; ++s) {
+        const llama_pos p = st->slot_pos[s];
+        valid[s] = p >= 0 && p <= p_max && p > p_max - W;
+        n_valid += valid[s] ? 1 : 0;
+    }
+
+    int64_t j_any = -1; // a non-empty cell, the single visible cell of the invalid (weight 0) rows
+    for (int64_t j = 0; j < n_kv && j_any < 0; ++j) {
+        if (!llama_kvp_kv_access::cell_empty(kv, (uint32_t) j)) {
+            j_any = j;
+        }
+    }
+    if (j_any < 0) {
+        j_any = 0;
+    }
+
+    const bool alibi = st->model.hparams.use_alibi;
+
+    float * m = (float *) mask->data;
+    float * w = (float *) weights->data;
+    for (int32_t s = 0; s < W; ++s) {
+        float * row = m + (int64_t) s*n_kv;
+        w[s] = valid[s] ? 1.0f/n_valid : 0.0f;
+        if (!valid[s]) {
+            std::fill(row, row + n_kv, -INFINITY);
+            row[j_any] = 0.0f;
+            continue;
+        }
+        const llama_pos p1 = st->slot_pos[s];
+        for (int64_t j = 0; j < n_kv; ++j) {
+            const llama_pos p0 = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
+            const bool visible = p0 >= 0 && (!st->causal_attn || p0 <= p1);
+            row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
+        }
+    }
+
+    // accumulation: carry a cell's score only while it holds the token it held at the last observation
+    float * kp = (float *) keep->data;
+    for (int64_t j = 0; j < n_kv; ++j) {
+        const llama_pos p0 = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
+        kp[j] = (p0 >= 0 && p0 == st->cell_pos_obs[j]) ? st->policy.decay : 0.0f;
+        st->cell_pos_obs[j] = p0;
+    }
+    for (int64_t j = n_kv; j < st->n_cells; ++j) {
+        st->cell_pos_obs[j] = -2;
+    }
+
+    st->n_obs++;
+    st->n_kv_obs      = (int32_t) n_kv;
+    st->n_queries_obs = n_valid;
+    st->obs_requested = false;
+}
+
+//
+// graph hooks
+//
+
+static thread_local llama_kvp_context   * g_graph_st  = nullptr;
+static thread_local llama_kvp_obs_input * g_graph_inp = nullptr;
+
+void llama_kvp_graph_begin(llama_kvp_context * kvp) {
+    g_graph_st  = kvp;
+    g_graph_inp = nullptr;
+}
+
+void llama_kvp_graph_observe(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il) {
+    llama_kvp_context * st = g_graph_st;
+    if (!st || !st->observing() || gctx.cparams.training) {
+        return;
+    }
+    if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
+        return;
+    }
+    auto & L = st->layers[st->layer_of_il[il]];
+    L.seen = true;
+
+    ggml_context * ctx0 = gctx.ctx0;
+    ggml_cgraph  * gf   = gctx.gf;
+
+    const int64_t W        = st->policy.window;
+    const int64_t n_tokens = q->ne[2];
+    const int64_t n_kv     = k->ne[2];
+    const int64_t n_head   = st->n_head;
+    const int64_t d        = st->n_embd_head;
+
+    GGML_ASSERT(q->ne[0] == d && q->ne[1] == n_head);
+    GGML_ASSERT(k->ne[3] == 1);
+
+    // one input object per graph, shared by the layers
+    if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens || g_graph_inp->n_kv != n_kv) {
+        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch), n_tokens, n_kv);
+
+        const int64_t n_write = std::min<int64_t>(W, n_tokens);
+        inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
+        ggml_set_input(inp->ring_idx);
+        if (inp->obs) {
+            inp->mask    = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, W);
+            inp->weights = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
+            inp->keep    = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
+            ggml_set_input(inp->mask);
+            ggml_set_input(inp->weights);
+            ggml_set_input(inp->keep);
+        }
+        g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
+    }
+    llama_kvp_obs_input * inp = g_graph_inp;
+
+    // write the last queries of the ubatch into the ring
+    ggml_tensor * q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
+    q2 = ggml_reshape_2d(ctx0, q2, d*n_head, n_tokens);
+    const int64_t n_write = inp->ring_idx->ne[0];
+    ggml_tensor * q_new = ggml_view_2d(ctx0, q2, d*n_head, n_write, q2->nb[1], (n_tokens - n_write)*q2->nb[1]);
+    ggml_tensor * ring  = ggml_set_rows(ctx0, L.q_ring, q_new, inp->ring_idx);
+    ggml_build_forward_expand(gf, ring);
+
+    if (!inp->obs) {
+        return;
+    }
+
+    const auto & hparams = gctx.hparams;
+
+    // attention of the window queries over the layer's cells
+    ggml_tensor * qo = ggml_reshape_3d(ctx0, ring, d, n_head, W);
+    qo = ggml_permute(ctx0, qo, 0, 2, 1, 3);                    // [d, W, n_head]
+    ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3);       // [d, n_kv, n_head_kv]
+
+    ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qo);              // [n_kv, W, n_head]
+    ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+
+    if (hparams.attn_soft_cap) {
+        kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
+        kq = ggml_tanh (ctx0, kq);
+        kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
+        kq_scale = 1.0f;
+    }
+
+    ggml_tensor * probs = ggml_soft_max_ext(ctx0, kq, inp->mask, kq_scale, hparams.f_max_alibi_bias);
+    ggml_soft_max_add_sinks(probs, sinks);
+    ggml_format_name(probs, "kvp_probs-%d", il);
+
+    // entropy per head: -sum_j p log p, averaged over the valid window queries
+    ggml_tensor * lp  = ggml_log(ctx0, ggml_scale_bias(ctx0, probs, 1.0f, 1e-30f));
+    ggml_tensor * plp = ggml_mul(ctx0, probs, lp);
+    ggml_tensor * h   = ggml_sum_rows(ctx0, plp);               // [1, W, n_head]
+    h = ggml_reshape_2d(ctx0, h, W, n_head);
+    ggml_tensor * ent = ggml_mul_mat(ctx0, inp->weights, h);    // [1, n_head]
+    ent = ggml_scale(ctx0, ggml_reshape_1d(ctx0, ent, n_head), -1.0f);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, ent, L.entropy));
+
+    // mass per head and cell, averaged over the valid window queries
+    ggml_tensor * pt   = ggml_cont(ctx0, ggml_permute(ctx0, probs, 1, 0, 2, 3)); // [W, n_kv, n_head]
+    ggml_tensor * mass = ggml_mul_mat(ctx0, inp->weights, pt);                   // [1, n_kv, n_head]
+    mass = ggml_reshape_2d(ctx0, mass, n_kv, n_head);
+    ggml_tensor * mass_dst = ggml_view_2d(ctx0, L.mass, n_kv, n_head, L.mass->nb[1], 0);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, mass, mass_dst));
+
+    // decayed accumulation of the head-mean mass
+    ggml_tensor * mh = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, mass))); // [1, n_kv]
+    mh = ggml_scale(ctx0, ggml_reshape_1d(ctx0, mh, n_kv), 1.0f/n_head);
+    ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
+    ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, inp->keep), mh);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+}

@@ -1,0 +1,214 @@
+// llama-kvp.cpp - the extern "C" API of llama-kvp.h: policy of a context, KV-cache stats from the real ggml buffers,
+// and read-out of the observation results.
+
+#include "llama-kvp-impl.h"
+
+#include "llama-context.h"
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+
+#include <string>
+#include <vector>
+
+// the unified KV caches of a context: one for a plain cache, two (base, swa) for an iSWA cache
+static std::vector<llama_kv_cache *> llama_kvp_caches(llama_context * ctx) {
+    std::vector<llama_kv_cache *> res;
+    llama_memory_i * mem = ctx->get_memory();
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        res.push_back(kv);
+    } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        res.push_back(iswa->get_base());
+        res.push_back(iswa->get_swa());
+    }
+    return res;
+}
+
+static bool llama_kvp_check_ctx(llama_context * ctx) {
+    if (!ctx) {
+        llama_kvp_set_error("context is NULL");
+        return false;
+    }
+    return true;
+}
+
+static llama_kvp_context * llama_kvp_obs_ctx(llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    if (!st || !st->observing()) {
+        llama_kvp_set_error("this context has no observing policy (create it with kv_policy=Observe(...))");
+        return nullptr;
+    }
+    return st;
+}
+
+int32_t llama_kvp_get_policy(struct llama_context * ctx, struct llama_kvp_policy * out) {
+    if (!llama_kvp_check_ctx(ctx) || !out) {
+        return -1;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    *out = st ? st->policy : llama_kvp_policy_default(LLAMA_KVP_POLICY_NONE);
+    return 0;
+}
+
+int32_t llama_kvp_n_layers(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    const auto caches = llama_kvp_caches(ctx);
+    if (caches.empty()) {
+        llama_kvp_set_error("the memory of this context is not a KV cache (recurrent or hybrid model)");
+        return -1;
+    }
+    int32_t n = 0;
+    for (auto * kv : caches) {
+        n += llama_kvp_kv_access::n_layers(*kv);
+    }
+    return n;
+}
+
+int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_layer_stats * out, int32_t n_max) {
+    const int32_t n = llama_kvp_n_layers(ctx);
+    if (n < 0) {
+        return -1;
+    }
+    if (!out || n_max < n) {
+        llama_kvp_set_error("layer stats buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    int32_t i = 0;
+    for (auto * kv : llama_kvp_caches(ctx)) {
+        const uint32_t n_used = llama_kvp_kv_access::n_used(*kv);
+        for (int32_t ikv = 0; ikv < llama_kvp_kv_access::n_layers(*kv); ++ikv) {
+            ggml_tensor * k = llama_kvp_kv_access::layer_k(*kv, ikv);
+            ggml_tensor * v = llama_kvp_kv_access::layer_v(*kv, ikv);
+            llama_kvp_layer_stats & s = out[i++];
+            s.il        = llama_kvp_kv_access::layer_il(*kv, ikv);
+            s.n_cells   = (int32_t) kv->get_size();
+            s.n_used    = (int32_t) n_used;
+            s.k_bytes   = k ? (int64_t) ggml_nbytes(k) : 0;
+            s.v_bytes   = v ? (int64_t) ggml_nbytes(v) : 0;
+            s.on_device = (k && k->buffer && !ggml_backend_buffer_is_host(k->buffer)) ? 1 : 0;
+        }
+    }
+    return n;
+}
+
+int32_t llama_kvp_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    auto * kv = dynamic_cast<llama_kv_cache *>(ctx->get_memory());
+    if (!kv || llama_kvp_kv_access::n_stream(*kv) != 1) {
+        llama_kvp_set_error("cell positions need a single-stream unified KV cache");
+        return -1;
+    }
+    const int32_t n = (int32_t) kv->get_size();
+    if (!out || n_max < n) {
+        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        out[i] = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) i);
+    }
+    return n;
+}
+
+int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    if (!out || n_max < st->n_cells) {
+        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(st->n_cells) + " entries");
+        return -1;
+    }
+    for (int32_t j = 0; j < st->n_cells; ++j) {
+        const llama_pos p = j < st->n_kv_obs ? st->cell_pos_obs[j] : -1;
+        out[j] = p < 0 ? -1 : p;
+    }
+    return st->n_cells;
+}
+
+int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info * out) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st || !out) {
+        return -1;
+    }
+    ctx->synchronize();
+    out->n_layer   = (int32_t) st->layers.size();
+    out->n_head    = st->n_head;
+    out->n_head_kv = st->n_head_kv;
+    out->n_cells   = st->n_cells;
+    out->n_kv      = st->n_kv_obs;
+    out->window    = st->policy.window;
+    out->n_queries = st->n_queries_obs;
+    out->n_obs     = st->n_obs;
+    out->n_steps   = st->n_steps;
+    return 0;
+}
+
+// copies one result tensor of every layer into out (layer-major), zeroing the cells past the last observation
+static int32_t llama_kvp_obs_read(
+        llama_context * ctx, float * out, size_t n, ggml_tensor * llama_kvp_obs_layer::* member, int64_t per_layer,
+        int64_t n_rows, int64_t row_len, bool by_cell) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    const size_t need = st->layers.size()*(size_t) per_layer;
+    if (!out || n < need) {
+        llama_kvp_set_error("output buffer too small: need " + std::to_string(need) + " floats");
+        return -1;
+    }
+    ctx->synchronize();
+    const int64_t n_valid = by_cell ? st->n_kv_obs : row_len;
+    for (size_t l = 0; l < st->layers.size(); ++l) {
+        ggml_tensor * t = st->layers[l].*member;
+        float * dst = out + l*per_layer;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            float * row = dst + r*row_len;
+            if (n_valid > 0) {
+                ggml_backend_tensor_get(t, row, r*t->nb[1], n_valid*sizeof(float));
+            }
+            for (int64_t j = n_valid; j < row_len; ++j) {
+                row[j] = 0.0f;
+            }
+        }
+    }
+    return (int32_t) need;
+}
+
+int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::entropy, st->n_head, 1, st->n_head, false);
+}
+
+int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
+}
+
+int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true);
+}
+
+int32_t llama_kvp_obs_request(struct llama_context * ctx) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    st->obs_requested = true;
+    return 0;
+}

