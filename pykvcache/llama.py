@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -60,6 +60,11 @@ class Llama(llama_cpp.Llama):
         finally:
             lib.llama_kvp_clear_pending()
 
+    def close(self) -> None:
+        """Explicitly free the model from memory (also after a failed construction)."""
+        if "_stack" in self.__dict__:
+            super().close()
+
     @property
     def kv_policy(self) -> Optional[KVPolicy]:
         """The policy running this context's KV cache (None: llama.cpp's own cache)."""
@@ -91,8 +96,15 @@ class Llama(llama_cpp.Llama):
             for s in buf[0:n]
         ])
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
+        pol = self._kv_policy
+        if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
+            self.kv_observe_next()
+        super().eval(tokens)
+
     def kv_observe_next(self) -> None:
-        """Make the next decode step observe attention, whatever the policy's `every` says."""
+        """Make the next single-token decode step observe attention, whatever the policy's `every` says."""
         _, lib = native()
         if lib.llama_kvp_obs_request(self._native_ctx()) != 0:
             raise PolicyError(last_error())

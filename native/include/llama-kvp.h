@@ -118,7 +118,7 @@ int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n)
 int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n);
 // accumulated (decayed) mass of each cell, averaged over heads: out[n_layer*n_cells]
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n);
-// make the next decode step observe, whatever `every` says
+// make the next single-token decode step observe, whatever `every` says
 int32_t llama_kvp_obs_request(struct llama_context * ctx);
 
 // cffi-end

@@ -20,6 +20,8 @@ struct llama_memory_i;
 struct llm_graph_context;
 struct llama_ubatch;
 class  llama_kv_cache;
+class  llama_kv_cache_context;
+struct llama_memory_context_i;
 
 //
 // errors
@@ -85,8 +87,8 @@ struct llama_kvp_context {
 
     bool observing() const { return policy.type == LLAMA_KVP_POLICY_OBSERVE; }
 
-    // does a graph for this ubatch include the observation nodes?
-    bool want_obs(const llama_ubatch & ubatch) const;
+    // does a graph for this ubatch (of a decode call split into n_ubatches) include the observation nodes?
+    bool want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const;
 };
 
 // read access to the private parts of llama_kv_cache (a friend of it, see patch 0003)
@@ -99,6 +101,9 @@ struct llama_kvp_kv_access {
     static uint32_t n_used(const llama_kv_cache & kv);
     static bool      cell_empty(const llama_kv_cache & kv, uint32_t i);
     static llama_pos cell_pos  (const llama_kv_cache & kv, uint32_t i);
+
+    // ubatches of the decode call a memory context belongs to
+    static size_t n_ubatches(const llama_memory_context_i * mctx);
 };
 
 //

@@ -17,6 +17,7 @@
 #include "llama-graph.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
 #include "llama-model.h"
 
 #include <algorithm>
@@ -65,6 +66,11 @@ bool llama_kvp_kv_access::cell_empty(const llama_kv_cache & kv, uint32_t i) {
 
 llama_pos llama_kvp_kv_access::cell_pos(const llama_kv_cache & kv, uint32_t i) {
     return kv.v_cells[0].is_empty(i) ? -1 : kv.v_cells[0].pos_get(i);
+}
+
+size_t llama_kvp_kv_access::n_ubatches(const llama_memory_context_i * mctx) {
+    const auto * kctx = dynamic_cast<const llama_kv_cache_context *>(mctx);
+    return kctx ? kctx->ubatches.size() : 1;
 }
 
 //
@@ -127,9 +133,11 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
 
     auto * kv = dynamic_cast<llama_kv_cache *>(memory);
     if (!kv) {
+        const char * kind = !memory ? "no KV cache" :
+            dynamic_cast<llama_kv_cache_iswa *>(memory) ? "a sliding-window (iSWA) KV cache" :
+            "a recurrent or hybrid memory";
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': it needs one unified "
-                "KV cache for all attention layers, and this model uses " +
-                (memory ? "a sliding-window, recurrent or hybrid memory" : "no KV cache"));
+                "KV cache for all attention layers, and this model uses " + kind);
     }
     if (hparams.is_mla()) {
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
@@ -258,15 +266,15 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp) {
     return LLAMA_KVP_NODES_PER_LAYER*(uint32_t) kvp->layers.size() + 16;
 }
 
-bool llama_kvp_context::want_obs(const llama_ubatch & ubatch) const {
+bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const {
     if (!observing()) {
         return false;
     }
-    if (ubatch.n_tokens > 1) {
+    if (ubatch.n_tokens > 1 || n_ubatches > 1) {
         return true; // prompt batches always observe
     }
     if (obs_requested) {
-        return true;
+        return true; // a single-token step that was asked to observe
     }
     return policy.every > 0 && (n_decode + 1) % policy.every == 0;
 }
@@ -299,7 +307,7 @@ bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
     const auto * mctx = static_cast<const llama_kv_cache_context *>(params.mctx);
     return params.ubatch.n_tokens == n_tokens &&
            (int64_t) mctx->get_n_kv() == n_kv &&
-           st->want_obs(params.ubatch) == obs;
+           st->want_obs(params.ubatch, llama_kvp_kv_access::n_ubatches(params.mctx)) == obs;
 }
 
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
@@ -387,7 +395,9 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     st->n_obs++;
     st->n_kv_obs      = (int32_t) n_kv;
     st->n_queries_obs = n_valid;
-    st->obs_requested = false;
+    if (ubatch->n_tokens == 1) {
+        st->obs_requested = false;
+    }
 }
 
 //
@@ -433,7 +443,8 @@ void llama_kvp_graph_observe(
 
     // one input object per graph, shared by the layers
     if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens || g_graph_inp->n_kv != n_kv) {
-        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch), n_tokens, n_kv);
+        auto inp = std::make_unique<llama_kvp_obs_input>(st,
+                st->want_obs(gctx.ubatch, llama_kvp_kv_access::n_ubatches(gctx.mctx)), n_tokens, n_kv);
 
         const int64_t n_write = std::min<int64_t>(W, n_tokens);
         inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);

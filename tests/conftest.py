@@ -1,0 +1,30 @@
+"""Shared fixtures: the default model, an independent reference forward pass, tiny models of other architectures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pykvcache  # noqa: E402  (must be imported before llama_cpp)
+
+PROSE = (
+    "In 1969, Neil Armstrong became the first person to walk on the Moon. The mission, Apollo 11, launched from "
+    "Florida and landed in the Sea of Tranquility. Millions watched the broadcast live on television around the "
+    "world, and the famous words about one small step were heard in every language."
+)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return pykvcache.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, model_path) -> str:
+    from tiny_models import write_tiny_gemma3
+
+    return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf", Path(model_path)))

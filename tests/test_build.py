@@ -1,0 +1,67 @@
+"""The patched build loads, llama_cpp runs on it, and kv_policy=None changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import pykvcache
+from conftest import PROSE
+from pykvcache import FullCache, Llama, Observe
+
+PROMPT = "Q: What is the tallest mountain on Earth?\nA:"
+
+
+def greedy(llm, prompt: str, n: int = 24) -> list:
+    llm.reset()
+    tokens = llm.tokenize(prompt.encode())
+    out = []
+    for tok in llm.generate(tokens, temp=0.0, top_k=1, reset=True):
+        out.append(tok)
+        if len(out) == n:
+            break
+    return out
+
+
+def test_llama_cpp_runs_on_the_patched_library():
+    loaded = Path(llama_cpp.llama_cpp._lib._name).resolve()
+    assert loaded == pykvcache._native.library_path().resolve()
+    ffi, lib = pykvcache._native.native()
+    assert lib.llama_kvp_api_version() == 1
+
+
+def test_generates_text(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    out = llm("The capital of France is", max_tokens=8, temperature=0.0)
+    text = out["choices"][0]["text"]
+    assert "Paris" in text
+
+
+def test_default_model_is_smollm2():
+    llm = Llama(n_ctx=128, verbose=False)
+    assert llm.model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert llm.kv_policy is None
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_policy_none_matches_llama_cpp_python_token_for_token(model_path, flash_attn):
+    ref = llama_cpp.Llama(model_path, n_ctx=512, flash_attn=flash_attn, verbose=False)
+    ours = Llama(model_path, n_ctx=512, flash_attn=flash_attn, verbose=False)
+    expected = greedy(ref, PROMPT)
+    assert len(expected) == 24
+    assert greedy(ours, PROMPT) == expected
+    # same logits, not only the same argmax
+    for llm in (ref, ours):
+        llm.reset()
+        llm.eval(llm.tokenize(PROSE.encode()))
+    np.testing.assert_array_equal(ref.scores[ref.n_tokens - 1], ours.scores[ours.n_tokens - 1])
+
+
+@pytest.mark.parametrize("policy", [FullCache(), Observe(window=16, every=1)])
+def test_policies_that_keep_the_full_cache_do_not_change_the_output(model_path, policy):
+    ref = llama_cpp.Llama(model_path, n_ctx=512, verbose=False)
+    ours = Llama(model_path, n_ctx=512, verbose=False, kv_policy=policy)
+    assert greedy(ours, PROMPT) == greedy(ref, PROMPT)

@@ -1,0 +1,60 @@
+"""The `pykvcache` command: generate, telemetry, errors and help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROMPT = "The capital of France is"
+
+
+def run(*args: str, cwd=None):
+    return subprocess.run([sys.executable, "-m", "pykvcache.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_help():
+    out = run("--help")
+    assert out.returncode == 0
+    assert "generate" in out.stdout and "telemetry" in out.stdout
+    out = run("generate", "--help")
+    assert "--policy" in out.stdout and "observe keys" in out.stdout
+
+
+def test_generate_prints_text_and_kv_line(tmp_path):
+    out = run("generate", "-p", PROMPT, "-n", "8", "-c", "256", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    kv = [ln for ln in out.stderr.splitlines() if ln.startswith("KV cache:")]
+    assert len(kv) == 1
+    assert "30 layers x 256 cells" in kv[0] and "MiB" in kv[0] and "policy none" in kv[0]
+
+
+def test_generate_with_observe_writes_a_plot(tmp_path):
+    png = tmp_path / "kv.png"
+    out = run("generate", "-p", PROMPT, "-n", "4", "-c", "256", "--policy", "observe:window=8", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "policy observe:window=8,every=0,decay=1" in out.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_telemetry_summary_and_json(tmp_path):
+    js = tmp_path / "t.json"
+    out = run("telemetry", "-p", "Alice gave Bob a book. Bob thanked Alice.", "-c", "256", "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    assert "mean attention entropy per layer" in out.stdout
+    assert "most attended positions" in out.stdout
+    assert js.stat().st_size > 100
+
+
+def test_bad_policy_spec_is_one_line_naming_the_key():
+    out = run("generate", "-p", PROMPT, "--policy", "observe:windw=8")
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines == ["pykvcache: error: unknown key 'windw' for policy 'observe' (accepted: window,every,decay)"]
+
+
+def test_missing_model_file(tmp_path):
+    out = run("generate", "-p", PROMPT, "-m", str(tmp_path / "missing.gguf"))
+    assert out.returncode == 2
+    assert "model file not found" in out.stderr

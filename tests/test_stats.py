@@ -1,0 +1,47 @@
+"""kv_stats reads the real ggml buffers: the sizes follow from the model shape and the cache type."""
+
+from __future__ import annotations
+
+import pytest
+
+from pykvcache import Llama, Observe
+
+# SmolLM2-135M: 30 layers, 3 KV heads x 64 dims
+N_LAYER = 30
+N_EMBD_KV = 3 * 64
+
+
+@pytest.mark.parametrize("n_ctx", [256, 1024])
+def test_f16_cache_bytes(model_path, n_ctx):
+    llm = Llama(model_path, n_ctx=n_ctx, verbose=False)
+    st = llm.kv_stats()
+    assert len(st.layers) == N_LAYER
+    assert [s.layer for s in st.layers] == list(range(N_LAYER))
+    for s in st.layers:
+        assert s.n_cells == n_ctx
+        assert s.k_bytes == n_ctx * N_EMBD_KV * 2
+        assert s.v_bytes == n_ctx * N_EMBD_KV * 2
+        assert not s.on_device
+    assert st.total_bytes == 2 * N_LAYER * n_ctx * N_EMBD_KV * 2
+    assert f"{st.total_bytes / 2**20:.2f} MiB" in st.summary()
+
+
+def test_q8_0_cache_bytes(model_path):
+    llm = Llama(model_path, n_ctx=512, type_k=8, type_v=8, flash_attn=True, verbose=False)  # GGML_TYPE_Q8_0
+    for s in llm.kv_stats().layers:
+        assert s.k_bytes == 512 * N_EMBD_KV // 32 * 34
+
+
+def test_used_cells_follow_the_tokens(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy=Observe())
+    assert llm.kv_stats().n_used == 0
+    toks = llm.tokenize(b"one two three four five six")
+    llm.eval(toks)
+    assert all(s.n_used == len(toks) for s in llm.kv_stats().layers)
+
+
+def test_stats_of_a_sliding_window_model(tiny_gemma3):
+    llm = Llama(tiny_gemma3, n_ctx=256, verbose=False)
+    st = llm.kv_stats()
+    assert len(st.layers) == 2
+    assert all(s.k_bytes == 256 * 32 * 2 for s in st.layers)
