@@ -38,10 +38,15 @@ else()
     set(_patched    "${PYKVCACHE_CACHE_DIR}/llama.cpp-${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION}-patched")
 
     if (NOT EXISTS "${_sdist_tgz}")
-        find_package(Python3 COMPONENTS Interpreter REQUIRED)
+        if (Python_EXECUTABLE)
+            set(_python "${Python_EXECUTABLE}") # set by scikit-build-core: the build environment, which has pip
+        else()
+            find_package(Python3 COMPONENTS Interpreter REQUIRED)
+            set(_python "${Python3_EXECUTABLE}")
+        endif()
         message(STATUS "pykvcache: downloading llama-cpp-python==${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION} sdist into ${_sdist_dir}")
         execute_process(
-            COMMAND ${Python3_EXECUTABLE} -m pip download --no-deps --no-binary :all: --no-build-isolation
+            COMMAND ${_python} -m pip download --no-deps --no-binary :all: --no-build-isolation
                     "llama-cpp-python==${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION}" -d "${_sdist_dir}"
             RESULT_VARIABLE _rc)
         if (NOT _rc EQUAL 0 OR NOT EXISTS "${_sdist_tgz}")
