@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 PROMPT = "The capital of France is"
 
+# the console script installed next to this interpreter, run outside the source tree
+SCRIPT = Path(sys.executable).parent / "pykvcache"
+
 
 def run(*args: str, cwd=None):
-    return subprocess.run([sys.executable, "-m", "pykvcache.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, cwd=cwd or tempfile.gettempdir(),
                           timeout=300)
 
 
