@@ -22,6 +22,11 @@ TEXT = (
 )
 
 
+def last_logits(llm) -> np.ndarray:
+    """Logits of the last evaluated token."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
 def run(model, policy, n_ctx, prompt, n_gen, reps, flash_attn):
     llm = Llama(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False, kv_policy=policy, flash_attn=flash_attn)
     pp, tg = [], []
@@ -30,10 +35,10 @@ def run(model, policy, n_ctx, prompt, n_gen, reps, flash_attn):
         t0 = time.perf_counter()
         llm.eval(prompt)
         t1 = time.perf_counter()
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits(llm)))
         for _ in range(n_gen):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits(llm)))
         t2 = time.perf_counter()
         pp.append(len(prompt) / (t1 - t0))
         tg.append(n_gen / (t2 - t1))

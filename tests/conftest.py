@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,3 +29,8 @@ def tiny_gemma3(tmp_path_factory, model_path) -> str:
     from tiny_models import write_tiny_gemma3
 
     return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf", Path(model_path)))
+
+
+def last_logits(llm) -> np.ndarray:
+    """Logits of the last evaluated token, straight from llama.cpp (llama-cpp-python keeps none without logits_all)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
