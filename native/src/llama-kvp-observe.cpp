@@ -300,6 +300,7 @@ public:
     ggml_tensor * ring_idx = nullptr; // I64 [n_write]        ring slots of the last n_write tokens
     ggml_tensor * mask     = nullptr; // F32 [n_kv, window]    0 / -INF (or ALiBi distance) per window query
     ggml_tensor * weights  = nullptr; // F32 [window, 1]       1/n_valid for valid window queries, else 0
+    ggml_tensor * weights_h = nullptr; // F32 [1, window, n_head] the same weights, repeated per head
     ggml_tensor * keep     = nullptr; // F32 [n_kv]            decay where the cell still holds the same token, else 0
 };
 
@@ -363,8 +364,9 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
 
     const bool alibi = st->model.hparams.use_alibi;
 
-    float * m = (float *) mask->data;
-    float * w = (float *) weights->data;
+    float * m  = (float *) mask->data;
+    float * w  = (float *) weights->data;
+    float * wh = (float *) weights_h->data;
     for (int32_t s = 0; s < W; ++s) {
         float * row = m + (int64_t) s*n_kv;
         w[s] = valid[s] ? 1.0f/n_valid : 0.0f;
@@ -390,6 +392,9 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     }
     for (int64_t j = n_kv; j < st->n_cells; ++j) {
         st->cell_pos_obs[j] = -2;
+    }
+    for (int32_t h = 0; h < st->n_head; ++h) {
+        std::copy(w, w + W, wh + (int64_t) h*W);
     }
 
     st->n_obs++;
@@ -452,9 +457,11 @@ void llama_kvp_graph_observe(
         if (inp->obs) {
             inp->mask    = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, W);
             inp->weights = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
+            inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
             inp->keep    = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
             ggml_set_input(inp->mask);
             ggml_set_input(inp->weights);
+            ggml_set_input(inp->weights_h);
             ggml_set_input(inp->keep);
         }
         g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
@@ -503,9 +510,8 @@ void llama_kvp_graph_observe(
     ent = ggml_scale(ctx0, ggml_reshape_1d(ctx0, ent, n_head), -1.0f);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, ent, L.entropy));
 
-    // mass per head and cell, averaged over the valid window queries
-    ggml_tensor * pt   = ggml_cont(ctx0, ggml_permute(ctx0, probs, 1, 0, 2, 3)); // [W, n_kv, n_head]
-    ggml_tensor * mass = ggml_mul_mat(ctx0, inp->weights, pt);                   // [1, n_kv, n_head]
+    // mass per head and cell, averaged over the valid window queries (out_prod contracts over the queries)
+    ggml_tensor * mass = ggml_out_prod(ctx0, probs, inp->weights_h);            // [n_kv, 1, n_head]
     mass = ggml_reshape_2d(ctx0, mass, n_kv, n_head);
     ggml_tensor * mass_dst = ggml_view_2d(ctx0, L.mass, n_kv, n_head, L.mass->nb[1], 0);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, mass, mass_dst));
