@@ -336,10 +336,8 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         return;
     }
 
-    llama_pos p_min = ubatch->pos[0];
     llama_pos p_max = ubatch->pos[0];
     for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
-        p_min = std::min(p_min, ubatch->pos[i]);
         p_max = std::max(p_max, ubatch->pos[i]);
     }
 
