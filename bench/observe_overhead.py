@@ -63,8 +63,8 @@ def main() -> None:
     prompt = (probe.tokenize(TEXT.encode()) * (args.prompt_tokens // 30 + 2))[: args.prompt_tokens]
     del probe
     base = None
-    print(f"| policy | prefill tok/s | decode tok/s | prefill ratio | decode ratio |")
-    print(f"|---|---|---|---|---|")
+    print("| policy | prefill tok/s | decode tok/s | prefill ratio | decode ratio |")
+    print("|---|---|---|---|---|")
     for spec in specs:
         pp, pp_sd, tg, tg_sd = run(model, spec, args.ctx_size, prompt, args.n_gen, args.reps, args.flash_attn == "on")
         if base is None:
