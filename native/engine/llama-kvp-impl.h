@@ -99,8 +99,7 @@ struct llama_kvp_kv_access {
     static ggml_tensor * layer_v(const llama_kv_cache & kv, int32_t ikv);
     static uint32_t n_stream(const llama_kv_cache & kv);
     static uint32_t n_used(const llama_kv_cache & kv);
-    static bool      cell_empty(const llama_kv_cache & kv, uint32_t i);
-    static llama_pos cell_pos  (const llama_kv_cache & kv, uint32_t i);
+    static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
 
     // ubatches of the decode call a memory context belongs to
     static size_t n_ubatches(const llama_memory_context_i * mctx);

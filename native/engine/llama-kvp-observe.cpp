@@ -60,10 +60,6 @@ uint32_t llama_kvp_kv_access::n_used(const llama_kv_cache & kv) {
     return res;
 }
 
-bool llama_kvp_kv_access::cell_empty(const llama_kv_cache & kv, uint32_t i) {
-    return kv.v_cells[0].is_empty(i);
-}
-
 llama_pos llama_kvp_kv_access::cell_pos(const llama_kv_cache & kv, uint32_t i) {
     return kv.v_cells[0].is_empty(i) ? -1 : kv.v_cells[0].pos_get(i);
 }
@@ -350,9 +346,12 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         n_valid += valid[s] ? 1 : 0;
     }
 
+    // positions of the cells, read once (-1: empty)
+    std::vector<llama_pos> pos(n_kv);
     int64_t j_any = -1; // a non-empty cell, the single visible cell of the invalid (weight 0) rows
-    for (int64_t j = 0; j < n_kv && j_any < 0; ++j) {
-        if (!llama_kvp_kv_access::cell_empty(kv, (uint32_t) j)) {
+    for (int64_t j = 0; j < n_kv; ++j) {
+        pos[j] = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
+        if (j_any < 0 && pos[j] >= 0) {
             j_any = j;
         }
     }
@@ -375,7 +374,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         }
         const llama_pos p1 = st->slot_pos[s];
         for (int64_t j = 0; j < n_kv; ++j) {
-            const llama_pos p0 = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
+            const llama_pos p0 = pos[j];
             const bool visible = p0 >= 0 && (!st->causal_attn || p0 <= p1);
             row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
         }
@@ -384,9 +383,8 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     // accumulation: carry a cell's score only while it holds the token it held at the last observation
     float * kp = (float *) keep->data;
     for (int64_t j = 0; j < n_kv; ++j) {
-        const llama_pos p0 = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
-        kp[j] = (p0 >= 0 && p0 == st->cell_pos_obs[j]) ? st->policy.decay : 0.0f;
-        st->cell_pos_obs[j] = p0;
+        kp[j] = (pos[j] >= 0 && pos[j] == st->cell_pos_obs[j]) ? st->policy.decay : 0.0f;
+        st->cell_pos_obs[j] = pos[j];
     }
     for (int64_t j = n_kv; j < st->n_cells; ++j) {
         st->cell_pos_obs[j] = -2;

@@ -151,12 +151,8 @@ int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info
 
 // copies one result tensor of every layer into out (layer-major), zeroing the cells past the last observation
 static int32_t llama_kvp_obs_read(
-        llama_context * ctx, float * out, size_t n, ggml_tensor * llama_kvp_obs_layer::* member, int64_t per_layer,
-        int64_t n_rows, int64_t row_len, bool by_cell) {
-    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
-    if (!st) {
-        return -1;
-    }
+        llama_context * ctx, llama_kvp_context * st, float * out, size_t n, ggml_tensor * llama_kvp_obs_layer::* member,
+        int64_t per_layer, int64_t n_rows, int64_t row_len, bool by_cell) {
     const size_t need = st->layers.size()*(size_t) per_layer;
     if (!out || n < need) {
         llama_kvp_set_error("output buffer too small: need " + std::to_string(need) + " floats");
@@ -185,7 +181,7 @@ int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n)
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::entropy, st->n_head, 1, st->n_head, false);
+    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::entropy, st->n_head, 1, st->n_head, false);
 }
 
 int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n) {
@@ -193,7 +189,7 @@ int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n) {
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
+    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
 }
 
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n) {
@@ -201,7 +197,7 @@ int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true);
+    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true);
 }
 
 int32_t llama_kvp_obs_request(struct llama_context * ctx) {
