@@ -5,8 +5,20 @@ Import pykvcache before llama_cpp: it points llama_cpp at its patched libllama.
 
 from ._native import NativeLibraryError
 from .llama import Llama, default_model_path
-from .policies import FullCache, KVPolicy, Observe, PolicyError, parse_policy
-from .telemetry import KVStats, KVTelemetry, LayerStats
+from .policies import (
+    H2O,
+    EntropyLayerBudget,
+    FullCache,
+    KVPolicy,
+    Observe,
+    PolicyError,
+    Pyramid,
+    RetentionPolicy,
+    SinkRecent,
+    SnapKV,
+    parse_policy,
+)
+from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
 
 __version__ = "0.1.0"
 
@@ -15,6 +27,12 @@ __all__ = [
     "KVPolicy",
     "FullCache",
     "Observe",
+    "RetentionPolicy",
+    "SinkRecent",
+    "SnapKV",
+    "H2O",
+    "Pyramid",
+    "EntropyLayerBudget",
     "PolicyError",
     "NativeLibraryError",
     "parse_policy",
@@ -22,4 +40,6 @@ __all__ = [
     "KVStats",
     "KVTelemetry",
     "LayerStats",
+    "KVMemory",
+    "LayerBudget",
 ]

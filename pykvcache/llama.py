@@ -11,7 +11,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .policies import KVPolicy, PolicyError, as_policy, from_native
-from .telemetry import KVStats, KVTelemetry, LayerStats
+from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
 
 llama_cpp = import_llama_cpp()
 
@@ -99,6 +99,12 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         pol = self._kv_policy
+        if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:
+            # a new prompt on an empty cache: a fractional budget is resolved against its length
+            _, lib = native()
+            self._ctx.kv_cache_seq_rm(-1, 0, -1)
+            if lib.llama_kvp_set_prompt_len(self._native_ctx(), len(tokens)) != 0:
+                raise PolicyError(last_error())
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
         super().eval(tokens)
@@ -108,6 +114,43 @@ class Llama(llama_cpp.Llama):
         _, lib = native()
         if lib.llama_kvp_obs_request(self._native_ctx()) != 0:
             raise PolicyError(last_error())
+
+    def kv_memory(self) -> KVMemory:
+        """KV memory now and at its peak (bytes of the real ggml buffers), with the per-layer budgets of a policy."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        info = ffi.new("struct llama_kvp_memory_info *")
+        if lib.llama_kvp_memory_info(ctx, info) != 0:
+            raise RuntimeError(last_error())
+        budgets = []
+        if info.per_layer:
+            n = lib.llama_kvp_n_layers(ctx)
+            buf = ffi.new("struct llama_kvp_layer_budget[]", max(n, 1))
+            if lib.llama_kvp_get_budgets(ctx, buf, n) < 0:
+                raise RuntimeError(last_error())
+            budgets = [LayerBudget(int(b.il), int(b.budget), int(b.capacity), int(b.n_used), float(b.entropy),
+                                   int(b.n_evicted)) for b in buf[0:n]]
+        return KVMemory(bytes=int(info.bytes), bytes_peak=int(info.bytes_peak), per_layer=bool(info.per_layer),
+                        budget=int(info.budget), n_prompt=int(info.n_prompt), chunk=int(info.chunk),
+                        n_evicted=int(info.n_evicted), n_resize=int(info.n_resize), n_budget=int(info.n_budget),
+                        layers=budgets)
+
+    def kv_retained(self) -> np.ndarray:
+        """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted)."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        n_layer = lib.llama_kvp_n_layers(ctx)
+        if n_layer < 0:
+            raise RuntimeError(last_error())
+        n_pos = max(int(self.n_tokens), 1)
+        res = np.zeros((n_layer, n_pos), dtype=bool)
+        for s, layer in enumerate(self.kv_stats().layers):
+            pos = np.zeros(layer.n_cells, dtype=np.int32)
+            if lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0:
+                raise RuntimeError(last_error())
+            pos = pos[(pos >= 0) & (pos < n_pos)]
+            res[s, pos] = True
+        return res
 
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation: entropy per layer x head, mass per layer x position."""
@@ -121,28 +164,38 @@ class Llama(llama_cpp.Llama):
         entropy = np.zeros((n_layer, n_head), dtype=np.float32)
         mass_h = np.zeros((n_layer, n_head, n_cells), dtype=np.float32)
         mass_acc = np.zeros((n_layer, n_cells), dtype=np.float32)
-        cell_pos = np.zeros(n_cells, dtype=np.int32)
+        cell_pos = np.zeros((n_layer, n_cells), dtype=np.int32)
         for fn, arr in ((lib.llama_kvp_obs_entropy, entropy), (lib.llama_kvp_obs_mass, mass_h),
                         (lib.llama_kvp_obs_mass_acc, mass_acc)):
             if fn(ctx, ffi.cast("float *", ffi.from_buffer(arr)), arr.size) < 0:
                 raise RuntimeError(last_error())
-        if lib.llama_kvp_obs_cell_pos(ctx, ffi.cast("int32_t *", ffi.from_buffer(cell_pos)), n_cells) < 0:
+        if lib.llama_kvp_obs_cell_pos(ctx, ffi.cast("int32_t *", ffi.from_buffer(cell_pos)), cell_pos.size) < 0:
             raise RuntimeError(last_error())
 
-        cells = np.nonzero(cell_pos >= 0)[0]
-        order = cells[np.argsort(cell_pos[cells], kind="stable")]
+        # one column per position held by any layer at the last observation (0 where a layer does not hold it)
+        positions = np.unique(cell_pos[cell_pos >= 0]).astype(np.int64)
+        col = {int(p): i for i, p in enumerate(positions)}
+        mass_pos_h = np.zeros((n_layer, n_head, positions.size), dtype=np.float32)
+        acc_pos = np.zeros((n_layer, positions.size), dtype=np.float32)
+        for layer in range(n_layer):
+            cells = np.nonzero(cell_pos[layer] >= 0)[0]
+            cols = np.array([col[int(p)] for p in cell_pos[layer, cells]], dtype=np.int64)
+            mass_pos_h[layer][:, cols] = mass_h[layer][:, cells]
+            acc_pos[layer, cols] = mass_acc[layer, cells]
         stats = self.kv_stats()
         policy = self._kv_policy.spec() if self._kv_policy is not None else ""
         return KVTelemetry(
             layers=np.array([s.layer for s in stats.layers], dtype=np.int32),
-            positions=cell_pos[order].astype(np.int64),
+            positions=positions,
             entropy=entropy,
-            mass=mass_h[:, :, order].mean(axis=1),
-            mass_acc=mass_acc[:, order],
+            mass=mass_pos_h.mean(axis=1),
+            mass_acc=acc_pos,
             window=int(info.window),
             n_queries=int(info.n_queries),
             n_obs=int(info.n_obs),
-            mass_per_head=mass_h[:, :, order] if per_head else None,
+            mass_per_head=mass_pos_h if per_head else None,
             policy=policy,
             kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
+            budgets=self.kv_memory().budgets if self._kv_policy is not None and self._kv_policy.retains else None,
+            retained=self.kv_retained() if self._kv_policy is not None and self._kv_policy.retains else None,
         )

@@ -50,6 +50,11 @@ class KVPolicy:
         """True if the policy records attention telemetry."""
         return False
 
+    @property
+    def retains(self) -> bool:
+        """True if the policy keeps one budgeted KV cache per layer (evicts tokens)."""
+        return False
+
 
 @dataclass(frozen=True)
 class FullCache(KVPolicy):
@@ -81,7 +86,113 @@ class Observe(KVPolicy):
         return True
 
 
-POLICIES: Dict[int, Type[KVPolicy]] = {cls.type_id: cls for cls in (FullCache, Observe)}
+@dataclass(frozen=True)
+class RetentionPolicy(KVPolicy):
+    """Base of the policies that give each layer its own KV cache sized to a budget and evict tokens from it.
+
+    `budget` is the mean number of tokens each layer keeps (sinks and recent window included): a count >= 1, or a
+    fraction in (0, 1) of the prompt (of n_ctx before the first prompt). `chunk` is the number of prompt tokens
+    processed per step: each layer's cache holds budget + chunk cells, so long prompts run in bounded memory.
+    """
+
+    @property
+    def observes(self) -> bool:
+        """True if the policy records attention telemetry."""
+        return True
+
+    @property
+    def retains(self) -> bool:
+        """True if the policy keeps one budgeted KV cache per layer (evicts tokens)."""
+        return True
+
+
+@dataclass(frozen=True)
+class SinkRecent(RetentionPolicy):
+    """StreamingLLM: every layer keeps the first `n_sink` and the last `n_recent` tokens."""
+
+    name: ClassVar[str] = "sink_recent"
+    type_id: ClassVar[int] = 2
+
+    n_sink: int = 4
+    n_recent: int = 252
+    chunk: int = 128
+
+    @property
+    def observes(self) -> bool:
+        """True if the policy records attention telemetry."""
+        return False
+
+
+@dataclass(frozen=True)
+class SnapKV(RetentionPolicy):
+    """SnapKV-style: a uniform budget; top-k by the attention of the last `window` queries, average-pooled over
+    `pool` neighbouring positions; the window itself is kept. Scores are refreshed every `every` decode steps."""
+
+    name: ClassVar[str] = "snapkv"
+    type_id: ClassVar[int] = 3
+
+    budget: float = 0.25
+    window: int = 32
+    pool: int = 5
+    every: int = 16
+    chunk: int = 128
+
+
+@dataclass(frozen=True)
+class H2O(RetentionPolicy):
+    """H2O-style: a uniform budget; heavy hitters by attention accumulated over every step, plus `n_recent`."""
+
+    name: ClassVar[str] = "h2o"
+    type_id: ClassVar[int] = 4
+
+    budget: float = 0.25
+    n_recent: int = 32
+    every: int = 1
+    chunk: int = 128
+
+
+@dataclass(frozen=True)
+class Pyramid(RetentionPolicy):
+    """PyramidKV-style: fixed layer budgets decreasing linearly from budget*(1+slope) to budget*(1-slope), with
+    SnapKV scores."""
+
+    name: ClassVar[str] = "pyramid"
+    type_id: ClassVar[int] = 5
+
+    budget: float = 0.25
+    slope: float = 0.5
+    window: int = 32
+    pool: int = 5
+    every: int = 16
+    chunk: int = 128
+
+
+@dataclass(frozen=True)
+class EntropyLayerBudget(RetentionPolicy):
+    """Entropy-guided layer budgets: the total budget is split across layers in proportion to the mean per-head
+    attention entropy observed on the prompt, each layer within [min_layer, max_layer] (0: budget/4 and 2*budget).
+    Each layer keeps one token set shared by its heads: `n_sink` sinks, the top `topk_share` of the rest by attention
+    mass (heads and window queries aggregated, decayed by `decay` per observation), and the most recent tokens
+    (at least `n_recent`)."""
+
+    name: ClassVar[str] = "entropy"
+    type_id: ClassVar[int] = 6
+
+    budget: float = 0.25
+    min_layer: int = 0
+    max_layer: int = 0
+    n_sink: int = 4
+    n_recent: int = 16
+    topk_share: float = 0.5
+    window: int = 32
+    every: int = 16
+    decay: float = 0.5
+    chunk: int = 128
+
+
+POLICIES: Dict[int, Type[KVPolicy]] = {
+    cls.type_id: cls for cls in (FullCache, Observe, SinkRecent, SnapKV, H2O, Pyramid, EntropyLayerBudget)
+}
 
 
 def from_native(p: Any) -> KVPolicy:
@@ -92,7 +203,8 @@ def from_native(p: Any) -> KVPolicy:
     kwargs = {f.name: getattr(p, f.name) for f in fields(cls)}
     for f in fields(cls):
         if f.type in ("float", float):
-            kwargs[f.name] = round(float(kwargs[f.name]), 6)
+            x = round(float(kwargs[f.name]), 6)
+            kwargs[f.name] = int(x) if f.name == "budget" and x >= 1 else x
     return cls(**kwargs)
 
 

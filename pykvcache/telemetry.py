@@ -65,12 +65,56 @@ class KVStats:
     def summary(self) -> str:
         """One line: layers, cells used, K + V bytes."""
         mib = 1024.0 * 1024.0
-        cap = self.layers[0].n_cells if self.layers else 0
-        used = self.layers[0].n_used if self.layers else 0
+        caps = sorted({s.n_cells for s in self.layers})
+        if len(caps) <= 1:
+            cap = caps[0] if caps else 0
+            used = self.layers[0].n_used if self.layers else 0
+            cells = f"{len(self.layers)} layers x {cap} cells ({used} used)"
+        else:
+            cells = f"{len(self.layers)} layers, {caps[0]}-{caps[-1]} cells each ({self.n_used} used in all)"
         return (
-            f"KV cache: {len(self.layers)} layers x {cap} cells ({used} used), "
+            f"KV cache: {cells}, "
             f"K {self.k_bytes / mib:.2f} MiB + V {self.v_bytes / mib:.2f} MiB = {self.total_bytes / mib:.2f} MiB"
         )
+
+
+@dataclass(frozen=True)
+class LayerBudget:
+    """Budget of one layer under a retention policy."""
+
+    layer: int
+    budget: int
+    capacity: int
+    n_used: int
+    entropy: float
+    n_evicted: int
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """KV memory of a context now and at its peak (bytes of the real ggml buffers), with per-layer budgets."""
+
+    bytes: int
+    bytes_peak: int
+    per_layer: bool
+    budget: int
+    n_prompt: int
+    chunk: int
+    n_evicted: int
+    n_resize: int
+    n_budget: int
+    layers: List[LayerBudget]
+
+    @property
+    def budgets(self) -> List[int]:
+        """Tokens kept per layer."""
+        return [b.budget for b in self.layers]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        d = dict(self.__dict__)
+        d["layers"] = [b.__dict__ for b in self.layers]
+        return d
 
 
 @dataclass
@@ -94,6 +138,11 @@ class KVTelemetry:
     mass_per_head: Optional[np.ndarray] = None
     policy: str = ""
     kv_bytes: List[int] = field(default_factory=list)
+    budgets: Optional[List[int]] = None
+    retained: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
 
     @property
     def n_layer(self) -> int:
@@ -121,6 +170,10 @@ class KVTelemetry:
         }
         if self.mass_per_head is not None:
             d["mass_per_head"] = self.mass_per_head.tolist()
+        if self.budgets is not None:
+            d["budgets"] = list(self.budgets)
+        if self.retained is not None:
+            d["retained"] = self.retained.astype(int).tolist()
         return d
 
     def to_json(self, path: "str | Path | None" = None) -> str:
@@ -138,7 +191,16 @@ class KVTelemetry:
         import matplotlib.pyplot as plt
 
         path = Path(path)
-        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2.2]})
+        if self.budgets is not None:
+            fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
+            layer_ids = np.arange(len(self.budgets))
+            ax2.barh(layer_ids, self.budgets, color="tab:blue")
+            ax2.set_title("tokens kept per layer")
+            ax2.set_xlabel("budget (tokens)")
+            ax2.set_ylabel("layer")
+            ax2.set_ylim(-0.5, len(self.budgets) - 0.5)
+        else:
+            fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2.2]})
         im0 = ax0.imshow(self.entropy, aspect="auto", cmap="viridis", origin="lower")
         ax0.set_title("attention entropy (nats)")
         ax0.set_xlabel("head")

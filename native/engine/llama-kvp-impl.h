@@ -22,6 +22,8 @@ struct llama_ubatch;
 class  llama_kv_cache;
 class  llama_kv_cache_context;
 struct llama_memory_context_i;
+struct llama_memory_params;
+struct llama_context;
 
 //
 // errors
@@ -39,6 +41,15 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & policy);
 
 const char * llama_kvp_policy_type_name(int32_t type);
 
+// one KV cache per layer, sized to a budget (sink_recent, snapkv, h2o, pyramid, entropy)
+bool llama_kvp_policy_is_retention(int32_t type);
+
+// tokens a retention policy always keeps (sinks + recent window)
+int32_t llama_kvp_policy_n_protected(const llama_kvp_policy & policy);
+
+// the pending policy of this thread, without consuming it; false if none
+bool llama_kvp_pending_peek(llama_kvp_policy & out);
+
 //
 // per-context state
 //
@@ -46,46 +57,65 @@ const char * llama_kvp_policy_type_name(int32_t type);
 // device-resident observation results of one attention layer
 struct llama_kvp_obs_layer {
     int32_t il = -1;                 // model layer index
+    int32_t n_cells = 0;             // cells of the layer's cache (rows of mass, mass_acc)
+    int32_t n_kv_obs = 0;            // cells covered by the last observation
+
+    ggml_context_ptr        ctx;     // one buffer per layer: a per-layer cache can be reallocated alone
+    ggml_backend_buffer_ptr buf;
 
     ggml_tensor * q_ring   = nullptr; // F32 [n_embd_head*n_head, window]  last post-RoPE queries, slot = pos % window
     ggml_tensor * mass     = nullptr; // F32 [n_cells, n_head]             mean attention of the window queries
     ggml_tensor * mass_acc = nullptr; // F32 [n_cells]                     decayed sum of the head-mean mass
     ggml_tensor * entropy  = nullptr; // F32 [n_head]                      mean entropy of the window queries (nats)
 
+    std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
+
     bool seen = false;                // the graph hook ran for this layer (checked after the reserve)
 };
+
+class llama_kvp_memory;
 
 struct llama_kvp_context {
     llama_kvp_policy policy;
 
     const llama_model & model;
-    llama_kv_cache    * kv = nullptr; // the context's unified KV cache
+    llama_context     * lctx = nullptr;
+    llama_kv_cache    * kv   = nullptr; // the context's unified KV cache (observe policy)
+    llama_kvp_memory  * mem  = nullptr; // the per-layer KV memory (retention policies)
 
     bool    causal_attn = true;
     int32_t n_head      = 0;
     int32_t n_head_kv   = 0;
     int32_t n_embd_head = 0;
-    int32_t n_cells     = 0;
+    int32_t n_cells     = 0; // largest layer capacity
 
     std::vector<llama_kvp_obs_layer> layers;     // one per KV-cache layer
     std::vector<int32_t>             layer_of_il; // model layer -> index into layers (-1: no KV)
 
-    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
-
-    // host-side bookkeeping of the observation window and cells
+    // host-side bookkeeping of the observation window
     std::vector<llama_pos> slot_pos;     // position whose query sits in each ring slot (-1: none)
-    std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
+
+    // entropy of the prompt observations, summed per layer (entropy policy budgets)
+    std::vector<double> ent_sum;
+    int32_t n_ent         = 0;
+    int32_t n_obs_prompt  = 0; // observations made by prompt ubatches
+    int32_t n_obs_folded  = 0; // of those, folded into ent_sum
 
     int32_t n_steps       = 0; // ubatches processed
     int32_t n_decode      = 0; // single-token ubatches processed
     int32_t n_obs         = 0; // observations made
     int32_t n_kv_obs      = 0; // cells covered by the last observation
     int32_t n_queries_obs = 0; // valid window queries of the last observation
+    size_t  n_steps_call  = 1; // ubatches of the decode call the current graph belongs to
     bool    obs_requested = false;
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 
-    bool observing() const { return policy.type == LLAMA_KVP_POLICY_OBSERVE; }
+    // the policy computes observations (every policy but none and sink_recent)
+    bool observing() const { return policy.type != LLAMA_KVP_POLICY_NONE && policy.type != LLAMA_KVP_POLICY_SINK_RECENT; }
+
+    // the KV cache holding layer ikv
+    llama_kv_cache * layer_kv(int32_t ikv) const;
 
     // does a graph for this ubatch (of a decode call split into n_ubatches) include the observation nodes?
     bool want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const;
@@ -100,6 +130,7 @@ struct llama_kvp_kv_access {
     static uint32_t n_stream(const llama_kv_cache & kv);
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
+    static void cell_rm(llama_kv_cache & kv, uint32_t i);
 
     // ubatches of the decode call a memory context belongs to
     static size_t n_ubatches(const llama_memory_context_i * mctx);
@@ -112,9 +143,17 @@ struct llama_kvp_kv_access {
 // llama_context constructor, after the memory is created: takes the pending policy of this thread (if any),
 // validates it against the model and context and allocates its state; throws std::runtime_error on failure
 std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
+        llama_context       * lctx,
         const llama_model   & model,
         const llama_cparams & cparams,
         llama_memory_i      * memory);
+
+// llama_context constructor, instead of llama_model::create_memory: the per-layer memory when the pending policy
+// is a retention policy (throws std::runtime_error naming the architecture if the model cannot have one)
+llama_memory_i * llama_kvp_create_memory(
+        const llama_model         & model,
+        const llama_memory_params & params,
+        const llama_cparams       & cparams);
 
 // llama_context constructor, after the worst-case graphs are reserved: throws if some attention layer was not seen
 void llama_kvp_context_check(llama_kvp_context * kvp);
@@ -125,6 +164,13 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp);
 // llama_context::graph_params: the graph built next on this thread belongs to this context
 void llama_kvp_graph_begin(llama_kvp_context * kvp);
 
+// llm_graph_context::build_attn_inp_kv: the per-layer attention input when the memory is per-layer, else nullptr
+class llm_graph_input_attn_kv;
+llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & gctx);
+
+// llm_graph_context::build_attn: the input of layer il (itself unless it is a per-layer input)
+llm_graph_input_attn_kv * llama_kvp_attn_inp_layer(llm_graph_input_attn_kv * inp, int il);
+
 // llm_graph_context::build_attn (unified KV cache), after the attention of layer il
 //   q: [n_embd_head, n_head, n_tokens] post-RoPE queries, k: [n_embd_head, n_head_kv, n_kv, 1] view of the K cache
 void llama_kvp_graph_observe(
@@ -134,3 +180,19 @@ void llama_kvp_graph_observe(
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il);
+
+//
+// observation results used by the per-layer memory (llama-kvp-observe.cpp)
+//
+
+// folds new prompt observations into the per-layer mean entropy; true if there was one (out: mean per layer)
+bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);
+
+// accumulated mass and the position each cell held when it was observed, of KV layer ikv (synchronizes)
+void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos);
+
+// KV layer ikv was reallocated with n_cells cells; remap[new cell] = old cell or -1
+void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap);
+
+// forget scores and prompt entropies (the cache was cleared)
+void llama_kvp_obs_reset(llama_kvp_context * st);

@@ -13,17 +13,21 @@
 
 #include "llama-arch.h"
 #include "llama-batch.h"
+#include "llama-context.h"
 #include "llama-cparams.h"
 #include "llama-graph.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
 #include "llama-kv-cache-iswa.h"
+#include "llama-kvp-memory.h"
 #include "llama-model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <cstdio>
 #include <stdexcept>
+#include <typeinfo>
 
 // nodes added per layer: ring write (~4) + observation (~30), rounded up
 static constexpr uint32_t LLAMA_KVP_NODES_PER_LAYER = 48;
@@ -64,9 +68,22 @@ llama_pos llama_kvp_kv_access::cell_pos(const llama_kv_cache & kv, uint32_t i) {
     return kv.v_cells[0].is_empty(i) ? -1 : kv.v_cells[0].pos_get(i);
 }
 
+void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
+    kv.v_cells[0].rm(i);
+}
+
 size_t llama_kvp_kv_access::n_ubatches(const llama_memory_context_i * mctx) {
-    const auto * kctx = dynamic_cast<const llama_kv_cache_context *>(mctx);
-    return kctx ? kctx->ubatches.size() : 1;
+    if (const auto * kctx = dynamic_cast<const llama_kv_cache_context *>(mctx)) {
+        return kctx->ubatches.size();
+    }
+    if (const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(mctx)) {
+        return pctx->n_ubatches();
+    }
+    return 1;
+}
+
+llama_kv_cache * llama_kvp_context::layer_kv(int32_t ikv) const {
+    return mem ? mem->layers[ikv].kv.get() : kv;
 }
 
 //
@@ -93,6 +110,13 @@ void llama_kvp_clear_pending(void) {
     g_pending_set = false;
 }
 
+bool llama_kvp_pending_peek(llama_kvp_policy & out) {
+    if (g_pending_set) {
+        out = g_pending;
+    }
+    return g_pending_set;
+}
+
 //
 // context init
 //
@@ -102,7 +126,110 @@ static std::runtime_error llama_kvp_fail(const std::string & msg) {
     return std::runtime_error("pykvcache: " + msg);
 }
 
+// (re)allocates the observation tensors of one layer for n_cells cells, in the buffer type of the layer's K cache
+static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_cells) {
+    auto & L = st->layers[ikv];
+    ggml_tensor * k = llama_kvp_kv_access::layer_k(*st->layer_kv(ikv), st->mem ? 0 : ikv);
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ size_t(4u*ggml_tensor_overhead()),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+    if (!ctx) {
+        throw llama_kvp_fail("failed to create a ggml context for the observation buffers");
+    }
+    L.ctx.reset(ctx);
+    L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, st->policy.window);
+    L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->n_head);
+    L.mass_acc = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_cells);
+    L.entropy  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_head);
+    ggml_format_name(L.q_ring,   "kvp_q_ring-%d",   L.il);
+    ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
+    ggml_format_name(L.mass_acc, "kvp_mass_acc-%d", L.il);
+    ggml_format_name(L.entropy,  "kvp_entropy-%d",  L.il);
+
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+    if (!buf) {
+        throw llama_kvp_fail(std::string("failed to allocate the observation buffer in ") + ggml_backend_buft_name(buft));
+    }
+    ggml_backend_buffer_clear(buf, 0);
+    L.buf.reset(buf);
+    L.n_cells  = n_cells;
+    L.n_kv_obs = 0;
+    L.cell_pos_obs.assign(n_cells, -2);
+}
+
+static void llama_kvp_update_n_cells(llama_kvp_context * st) {
+    st->n_cells = 0;
+    for (const auto & L : st->layers) {
+        st->n_cells = std::max(st->n_cells, L.n_cells);
+    }
+}
+
+static std::string llama_kvp_memory_kind(const llama_memory_i * memory) {
+    return !memory ? "no KV cache" :
+        dynamic_cast<const llama_kv_cache_iswa *>(memory) ? "a sliding-window (iSWA) KV cache" :
+        dynamic_cast<const llama_kv_cache *>(memory) ? "a KV cache variant" :
+        "a recurrent or hybrid memory";
+}
+
+llama_memory_i * llama_kvp_create_memory(
+        const llama_model         & model,
+        const llama_memory_params & params,
+        const llama_cparams       & cparams) {
+    llama_kvp_policy policy;
+    if (!llama_kvp_pending_peek(policy) || !llama_kvp_policy_is_retention(policy.type)) {
+        return model.create_memory(params, cparams);
+    }
+
+    const std::string pname = llama_kvp_policy_type_name(policy.type);
+    const std::string arch  = llm_arch_name(model.arch);
+    auto fail = [&](const std::string & msg) {
+        g_pending_set = false; // consumed, also on failure
+        return llama_kvp_fail(msg);
+    };
+    {
+        const std::string err = llama_kvp_policy_check(policy);
+        if (!err.empty()) {
+            throw fail(err);
+        }
+    }
+    if (model.hparams.is_mla()) {
+        throw fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
+    }
+    if (cparams.n_seq_max != 1) {
+        throw fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max));
+    }
+    if (policy.budget >= 1.0f && policy.budget > (float) cparams.n_ctx_seq) {
+        char buf[256];
+        snprintf(buf, sizeof(buf), "policy '%s': budget=%g is larger than the context (n_ctx=%u)", pname.c_str(), (double) policy.budget, cparams.n_ctx_seq);
+        throw fail(buf);
+    }
+    if ((uint32_t) llama_kvp_policy_n_protected(policy) >= cparams.n_ctx_seq) {
+        throw fail("policy '" + pname + "': the tokens always kept (" + std::to_string(llama_kvp_policy_n_protected(policy)) +
+                ") do not fit the context (n_ctx=" + std::to_string(cparams.n_ctx_seq) + ")");
+    }
+
+    // the model must use one plain KV cache: probe with a small one
+    {
+        llama_cparams cp = cparams;
+        cp.n_ctx     = 256;
+        cp.n_ctx_seq = 256;
+        std::unique_ptr<llama_memory_i> probe(model.create_memory(params, cp));
+        llama_memory_i * m = probe.get();
+        if (!m || typeid(*m) != typeid(llama_kv_cache)) {
+            throw fail("policy '" + pname + "' does not support architecture '" + arch + "': it needs one plain KV cache for all "
+                    "attention layers, and this model uses " + llama_kvp_memory_kind(m));
+        }
+    }
+    return new llama_kvp_memory(model, params, cparams, policy);
+}
+
 std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
+        llama_context       * lctx,
         const llama_model   & model,
         const llama_cparams & cparams,
         llama_memory_i      * memory) {
@@ -127,40 +254,52 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
         }
     }
 
-    auto * kv = dynamic_cast<llama_kv_cache *>(memory);
-    if (!kv) {
-        const char * kind = !memory ? "no KV cache" :
-            dynamic_cast<llama_kv_cache_iswa *>(memory) ? "a sliding-window (iSWA) KV cache" :
-            "a recurrent or hybrid memory";
+    auto * mem = dynamic_cast<llama_kvp_memory *>(memory);
+    auto * kv  = dynamic_cast<llama_kv_cache *>(memory);
+    if (llama_kvp_policy_is_retention(policy.type) && !mem) {
+        throw llama_kvp_fail("policy '" + pname + "' needs the per-layer KV memory, and this context has " + llama_kvp_memory_kind(memory));
+    }
+    if (!mem && !kv) {
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': it needs one unified "
-                "KV cache for all attention layers, and this model uses " + kind);
+                "KV cache for all attention layers, and this model uses " + llama_kvp_memory_kind(memory));
     }
     if (hparams.is_mla()) {
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
     }
-    if (llama_kvp_kv_access::n_stream(*kv) != 1 || cparams.n_seq_max != 1) {
+    if ((kv && llama_kvp_kv_access::n_stream(*kv) != 1) || cparams.n_seq_max != 1) {
         throw llama_kvp_fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" +
                 std::to_string(cparams.n_seq_max));
     }
-    if ((uint32_t) policy.window > kv->get_size()) {
+    if ((uint32_t) policy.window > cparams.n_ctx_seq) {
         throw llama_kvp_fail("policy '" + pname + "': window=" + std::to_string(policy.window) +
-                " is larger than the context (n_ctx=" + std::to_string(kv->get_size()) + ")");
+                " is larger than the context (n_ctx=" + std::to_string(cparams.n_ctx_seq) + ")");
     }
 
     auto st = std::make_unique<llama_kvp_context>(model);
     st->policy      = policy;
-    st->kv          = kv;
+    st->lctx        = lctx;
+    st->kv          = mem ? nullptr : kv;
+    st->mem         = mem;
     st->causal_attn = cparams.causal_attn;
-    st->n_cells     = (int32_t) kv->get_size();
 
-    const int32_t n_kv_layers = llama_kvp_kv_access::n_layers(*kv);
+    std::vector<int32_t> ils;
+    if (mem) {
+        for (const auto & L : mem->layers) {
+            ils.push_back(L.il);
+        }
+    } else {
+        for (int32_t ikv = 0; ikv < llama_kvp_kv_access::n_layers(*kv); ++ikv) {
+            ils.push_back(llama_kvp_kv_access::layer_il(*kv, ikv));
+        }
+    }
+    const int32_t n_kv_layers = (int32_t) ils.size();
     if (n_kv_layers == 0) {
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': it has no attention layer with a KV cache");
     }
 
     // all attention layers must share one head layout (the telemetry arrays are [n_layer, n_head])
     for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
-        const uint32_t il = llama_kvp_kv_access::layer_il(*kv, ikv);
+        const uint32_t il = ils[ikv];
         const int32_t n_head      = hparams.n_head(il);
         const int32_t n_head_kv   = hparams.n_head_kv(il);
         const int32_t n_embd_head = hparams.n_embd_head_k(il);
@@ -176,67 +315,37 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': unsupported head layout");
     }
 
-    // device-resident results, next to each layer's K cache
-    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
     st->layer_of_il.assign(hparams.n_layer(), -1);
     st->layers.resize(n_kv_layers);
     for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
         auto & L = st->layers[ikv];
-        L.il = llama_kvp_kv_access::layer_il(*kv, ikv);
+        L.il = ils[ikv];
         if (L.il >= 0 && L.il < (int32_t) st->layer_of_il.size()) {
             st->layer_of_il[L.il] = ikv;
         }
-
-        ggml_tensor * k = llama_kvp_kv_access::layer_k(*kv, ikv);
-        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
-
-        auto it = ctx_map.find(buft);
-        if (it == ctx_map.end()) {
-            ggml_init_params params = {
-                /*.mem_size   =*/ size_t(4u*n_kv_layers*ggml_tensor_overhead()),
-                /*.mem_buffer =*/ NULL,
-                /*.no_alloc   =*/ true,
-            };
-            ggml_context * ctx = ggml_init(params);
-            if (!ctx) {
-                throw llama_kvp_fail("failed to create a ggml context for the observation buffers");
-            }
-            st->ctxs_bufs.emplace_back(ggml_context_ptr(ctx), nullptr);
-            it = ctx_map.emplace(buft, ctx).first;
+        // device-resident results, next to each layer's K cache (sink_recent observes nothing: only the bookkeeping)
+        if (st->observing()) {
+            llama_kvp_obs_alloc(st.get(), ikv, (int32_t) st->layer_kv(ikv)->get_size());
+        } else {
+            L.n_cells = (int32_t) st->layer_kv(ikv)->get_size();
         }
-        ggml_context * ctx = it->second;
+    }
+    llama_kvp_update_n_cells(st.get());
 
-        L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, policy.window);
-        L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_cells, st->n_head);
-        L.mass_acc = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_cells);
-        L.entropy  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_head);
-        ggml_format_name(L.q_ring,   "kvp_q_ring-%d",   L.il);
-        ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
-        ggml_format_name(L.mass_acc, "kvp_mass_acc-%d", L.il);
-        ggml_format_name(L.entropy,  "kvp_entropy-%d",  L.il);
+    st->slot_pos.assign(policy.window, -1);
+    st->ent_sum.assign(n_kv_layers, 0.0);
+    if (mem) {
+        mem->st = st.get();
     }
 
     size_t total = 0;
-    for (auto & [buft, ctx] : ctx_map) {
-        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
-        if (!buf) {
-            throw llama_kvp_fail(std::string("failed to allocate the observation buffer in ") + ggml_backend_buft_name(buft));
-        }
-        ggml_backend_buffer_clear(buf, 0);
-        total += ggml_backend_buffer_get_size(buf);
-        for (auto & cb : st->ctxs_bufs) {
-            if (cb.first.get() == ctx) {
-                cb.second.reset(buf);
-            }
-        }
+    for (const auto & L : st->layers) {
+        total += L.buf ? ggml_backend_buffer_get_size(L.buf.get()) : 0;
     }
 
-    st->slot_pos.assign(policy.window, -1);
-    st->cell_pos_obs.assign(st->n_cells, -2);
-
-    char desc[256];
+    char desc[512];
     llama_kvp_policy_to_string(&policy, desc, sizeof(desc));
-    LLAMA_LOG_INFO("%s: pykvcache policy %s on %d layers x %d heads, %d cells, observation buffers %.2f MiB\n",
+    LLAMA_LOG_INFO("%s: pykvcache policy %s on %d layers x %d heads, up to %d cells per layer, observation buffers %.2f MiB\n",
             __func__, desc, n_kv_layers, st->n_head, st->n_cells, total/1024.0/1024.0);
 
     return st;
@@ -276,40 +385,80 @@ bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches)
 }
 
 //
-// graph input: ring slots to write, observation mask, query weights and accumulation factors
+// graph input: ring slots to write, observation masks, query weights and accumulation factors
 //
+
+// the cells one observation mask covers: one set for the unified cache, one per layer for the per-layer memory
+struct llama_kvp_obs_cells {
+    llama_kv_cache * kv   = nullptr;
+    int64_t          n_kv = 0;
+    ggml_tensor    * mask = nullptr; // F32 [n_kv, window]  0 / -INF (or ALiBi distance) per window query
+    ggml_tensor    * keep = nullptr; // F32 [n_kv]          decay where the cell still holds the same token, else 0
+    std::vector<int32_t> layers;     // KV layers using this set
+};
 
 class llama_kvp_obs_input : public llm_graph_input_i {
 public:
-    llama_kvp_obs_input(llama_kvp_context * st, bool obs, int64_t n_tokens, int64_t n_kv) :
-        st(st), obs(obs), n_tokens(n_tokens), n_kv(n_kv) {}
+    llama_kvp_obs_input(llama_kvp_context * st, bool obs, int64_t n_tokens) :
+        st(st), obs(obs), n_tokens(n_tokens) {}
 
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
+
+    llama_kvp_obs_cells & cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv);
 
     llama_kvp_context * st;
 
     const bool    obs;
     const int64_t n_tokens;
-    const int64_t n_kv;
 
-    ggml_tensor * ring_idx = nullptr; // I64 [n_write]        ring slots of the last n_write tokens
-    ggml_tensor * mask     = nullptr; // F32 [n_kv, window]    0 / -INF (or ALiBi distance) per window query
-    ggml_tensor * weights  = nullptr; // F32 [window, 1]       1/n_valid for valid window queries, else 0
+    ggml_tensor * ring_idx  = nullptr; // I64 [n_write]           ring slots of the last n_write tokens
+    ggml_tensor * weights   = nullptr; // F32 [window, 1]         1/n_valid for valid window queries, else 0
     ggml_tensor * weights_h = nullptr; // F32 [1, window, n_head] the same weights, repeated per head
-    ggml_tensor * keep     = nullptr; // F32 [n_kv]            decay where the cell still holds the same token, else 0
+
+    std::vector<llama_kvp_obs_cells> sets;
 };
 
+llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv) {
+    llama_kv_cache * kv = st->layer_kv(ikv);
+    for (auto & c : sets) {
+        if (c.kv == kv) {
+            GGML_ASSERT(c.n_kv == n_kv);
+            c.layers.push_back(ikv);
+            return c;
+        }
+    }
+    llama_kvp_obs_cells c;
+    c.kv   = kv;
+    c.n_kv = n_kv;
+    c.mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
+    c.keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
+    ggml_set_input(c.mask);
+    ggml_set_input(c.keep);
+    c.layers.push_back(ikv);
+    sets.push_back(std::move(c));
+    return sets.back();
+}
+
 bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
+    if (st->mem) {
+        return false; // per-layer memory: the graphs are rebuilt for every ubatch
+    }
     const auto * mctx = static_cast<const llama_kv_cache_context *>(params.mctx);
-    return params.ubatch.n_tokens == n_tokens &&
-           (int64_t) mctx->get_n_kv() == n_kv &&
-           st->want_obs(params.ubatch, llama_kvp_kv_access::n_ubatches(params.mctx)) == obs;
+    const bool obs_now = st->want_obs(params.ubatch, llama_kvp_kv_access::n_ubatches(params.mctx));
+    if (params.ubatch.n_tokens != n_tokens || obs_now != obs) {
+        return false;
+    }
+    for (const auto & c : sets) {
+        if ((int64_t) mctx->get_n_kv() != c.n_kv) {
+            return false;
+        }
+    }
+    return true;
 }
 
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     const int32_t W = st->policy.window;
-    const auto & kv = *st->kv;
 
     // ring slots of the last n_write tokens
     {
@@ -346,55 +495,74 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         n_valid += valid[s] ? 1 : 0;
     }
 
-    // positions of the cells, read once (-1: empty)
-    std::vector<llama_pos> pos(n_kv);
-    int64_t j_any = -1; // a non-empty cell, the single visible cell of the invalid (weight 0) rows
-    for (int64_t j = 0; j < n_kv; ++j) {
-        pos[j] = llama_kvp_kv_access::cell_pos(kv, (uint32_t) j);
-        if (j_any < 0 && pos[j] >= 0) {
-            j_any = j;
-        }
-    }
-    if (j_any < 0) {
-        j_any = 0;
-    }
-
-    const bool alibi = st->model.hparams.use_alibi;
-
-    float * m  = (float *) mask->data;
     float * w  = (float *) weights->data;
     float * wh = (float *) weights_h->data;
     for (int32_t s = 0; s < W; ++s) {
-        float * row = m + (int64_t) s*n_kv;
         w[s] = valid[s] ? 1.0f/n_valid : 0.0f;
-        if (!valid[s]) {
-            std::fill(row, row + n_kv, -INFINITY);
-            row[j_any] = 0.0f;
-            continue;
-        }
-        const llama_pos p1 = st->slot_pos[s];
-        for (int64_t j = 0; j < n_kv; ++j) {
-            const llama_pos p0 = pos[j];
-            const bool visible = p0 >= 0 && (!st->causal_attn || p0 <= p1);
-            row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
-        }
-    }
-
-    // accumulation: carry a cell's score only while it holds the token it held at the last observation
-    float * kp = (float *) keep->data;
-    for (int64_t j = 0; j < n_kv; ++j) {
-        kp[j] = (pos[j] >= 0 && pos[j] == st->cell_pos_obs[j]) ? st->policy.decay : 0.0f;
-        st->cell_pos_obs[j] = pos[j];
-    }
-    for (int64_t j = n_kv; j < st->n_cells; ++j) {
-        st->cell_pos_obs[j] = -2;
     }
     for (int32_t h = 0; h < st->n_head; ++h) {
         std::copy(w, w + W, wh + (int64_t) h*W);
     }
 
+    const bool alibi = st->model.hparams.use_alibi;
+
+    std::vector<llama_pos> pos;
+    for (auto & c : sets) {
+        const int64_t n_kv = c.n_kv;
+
+        // positions of the cells, read once (-1: empty)
+        pos.resize(n_kv);
+        int64_t j_any = -1; // a non-empty cell, the single visible cell of the invalid (weight 0) rows
+        for (int64_t j = 0; j < n_kv; ++j) {
+            pos[j] = llama_kvp_kv_access::cell_pos(*c.kv, (uint32_t) j);
+            if (j_any < 0 && pos[j] >= 0) {
+                j_any = j;
+            }
+        }
+        if (j_any < 0) {
+            j_any = 0;
+        }
+
+        float * m = (float *) c.mask->data;
+        for (int32_t s = 0; s < W; ++s) {
+            float * row = m + (int64_t) s*n_kv;
+            if (!valid[s]) {
+                std::fill(row, row + n_kv, -INFINITY);
+                row[j_any] = 0.0f;
+                continue;
+            }
+            const llama_pos p1 = st->slot_pos[s];
+            for (int64_t j = 0; j < n_kv; ++j) {
+                const llama_pos p0 = pos[j];
+                const bool visible = p0 >= 0 && (!st->causal_attn || p0 <= p1);
+                row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
+            }
+        }
+
+        // accumulation: carry a cell's score only while it holds the token it held at the last observation
+        // (the layers of one set share their cells, so their bookkeeping is the same)
+        auto & ref = st->layers[c.layers[0]].cell_pos_obs;
+        float * kp = (float *) c.keep->data;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            kp[j] = (pos[j] >= 0 && pos[j] == ref[j]) ? st->policy.decay : 0.0f;
+        }
+        for (int32_t ikv : c.layers) {
+            auto & L = st->layers[ikv];
+            for (int64_t j = 0; j < n_kv; ++j) {
+                L.cell_pos_obs[j] = pos[j];
+            }
+            for (int64_t j = n_kv; j < L.n_cells; ++j) {
+                L.cell_pos_obs[j] = -2;
+            }
+            L.n_kv_obs = (int32_t) n_kv;
+        }
+    }
+
     st->n_obs++;
-    st->n_kv_obs      = (int32_t) n_kv;
+    if (ubatch->n_tokens > 1 || st->n_steps_call > 1) {
+        st->n_obs_prompt++;
+    }
+    st->n_kv_obs      = (int32_t) sets.empty() ? 0 : (int32_t) sets[0].n_kv;
     st->n_queries_obs = n_valid;
     if (ubatch->n_tokens == 1) {
         st->obs_requested = false;
@@ -421,14 +589,19 @@ void llama_kvp_graph_observe(
                           float   kq_scale,
                             int   il) {
     llama_kvp_context * st = g_graph_st;
-    if (!st || !st->observing() || gctx.cparams.training) {
+    if (!st || gctx.cparams.training) {
         return;
     }
     if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
         return;
     }
-    auto & L = st->layers[st->layer_of_il[il]];
+    const int32_t ikv = st->layer_of_il[il];
+    auto & L = st->layers[ikv];
     L.seen = true;
+
+    if (!st->observing()) {
+        return;
+    }
 
     ggml_context * ctx0 = gctx.ctx0;
     ggml_cgraph  * gf   = gctx.gf;
@@ -443,22 +616,18 @@ void llama_kvp_graph_observe(
     GGML_ASSERT(k->ne[3] == 1);
 
     // one input object per graph, shared by the layers
-    if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens || g_graph_inp->n_kv != n_kv) {
-        auto inp = std::make_unique<llama_kvp_obs_input>(st,
-                st->want_obs(gctx.ubatch, llama_kvp_kv_access::n_ubatches(gctx.mctx)), n_tokens, n_kv);
+    if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens) {
+        st->n_steps_call = llama_kvp_kv_access::n_ubatches(gctx.mctx);
+        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch, st->n_steps_call), n_tokens);
 
         const int64_t n_write = std::min<int64_t>(W, n_tokens);
         inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
         ggml_set_input(inp->ring_idx);
         if (inp->obs) {
-            inp->mask    = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, W);
-            inp->weights = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
+            inp->weights   = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
             inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
-            inp->keep    = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
-            ggml_set_input(inp->mask);
             ggml_set_input(inp->weights);
             ggml_set_input(inp->weights_h);
-            ggml_set_input(inp->keep);
         }
         g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
     }
@@ -475,6 +644,8 @@ void llama_kvp_graph_observe(
     if (!inp->obs) {
         return;
     }
+    GGML_ASSERT(n_kv <= L.n_cells);
+    const auto & cells = inp->cells_for(ctx0, ikv, n_kv);
 
     const auto & hparams = gctx.hparams;
 
@@ -493,7 +664,7 @@ void llama_kvp_graph_observe(
         kq_scale = 1.0f;
     }
 
-    ggml_tensor * probs = ggml_soft_max_ext(ctx0, kq, inp->mask, kq_scale, hparams.f_max_alibi_bias);
+    ggml_tensor * probs = ggml_soft_max_ext(ctx0, kq, cells.mask, kq_scale, hparams.f_max_alibi_bias);
     ggml_soft_max_add_sinks(probs, sinks);
     ggml_format_name(probs, "kvp_probs-%d", il);
 
@@ -516,6 +687,100 @@ void llama_kvp_graph_observe(
     ggml_tensor * mh = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, mass))); // [1, n_kv]
     mh = ggml_scale(ctx0, ggml_reshape_1d(ctx0, mh, n_kv), 1.0f/n_head);
     ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
-    ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, inp->keep), mh);
+    ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, cells.keep), mh);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+}
+
+//
+// results used by the per-layer memory
+//
+
+static void llama_kvp_sync(llama_kvp_context * st) {
+    if (st->lctx) {
+        ggml_backend_sched_synchronize(st->lctx->get_sched());
+    }
+}
+
+bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out) {
+    if (!st->observing() || st->n_obs_prompt <= st->n_obs_folded) {
+        return false;
+    }
+    llama_kvp_sync(st);
+    std::vector<float> e(st->n_head);
+    for (size_t l = 0; l < st->layers.size(); ++l) {
+        ggml_backend_tensor_get(st->layers[l].entropy, e.data(), 0, e.size()*sizeof(float));
+        double m = 0.0;
+        for (float x : e) {
+            m += x;
+        }
+        st->ent_sum[l] += m/st->n_head;
+    }
+    st->n_ent++;
+    st->n_obs_folded = st->n_obs_prompt;
+    for (size_t l = 0; l < st->layers.size(); ++l) {
+        out[l] = (float) (st->ent_sum[l]/st->n_ent);
+    }
+    return true;
+}
+
+void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos) {
+    const auto & L = st->layers[ikv];
+    acc.assign(L.n_cells, 0.0f);
+    obs_pos.assign(L.n_cells, -2);
+    if (!st->observing() || L.n_kv_obs <= 0) {
+        return;
+    }
+    llama_kvp_sync(st);
+    ggml_backend_tensor_get(L.mass_acc, acc.data(), 0, (size_t) L.n_kv_obs*sizeof(float));
+    for (int32_t j = 0; j < L.n_kv_obs; ++j) {
+        obs_pos[j] = L.cell_pos_obs[j];
+    }
+}
+
+void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap) {
+    auto & L = st->layers[ikv];
+    if (!st->observing()) {
+        L.n_cells = (int32_t) n_cells;
+        llama_kvp_update_n_cells(st);
+        return;
+    }
+    llama_kvp_sync(st);
+
+    // keep the query ring, the entropy and the scores of the moved cells
+    std::vector<float> ring(ggml_nelements(L.q_ring));
+    std::vector<float> ent(ggml_nelements(L.entropy));
+    std::vector<float> acc(L.n_cells);
+    ggml_backend_tensor_get(L.q_ring,   ring.data(), 0, ring.size()*sizeof(float));
+    ggml_backend_tensor_get(L.entropy,  ent.data(),  0, ent.size()*sizeof(float));
+    ggml_backend_tensor_get(L.mass_acc, acc.data(),  0, acc.size()*sizeof(float));
+    const std::vector<llama_pos> old_pos = L.cell_pos_obs;
+    const int32_t old_n_kv = L.n_kv_obs;
+
+    llama_kvp_obs_alloc(st, ikv, (int32_t) n_cells);
+
+    std::vector<float> acc_new(n_cells, 0.0f);
+    int32_t n_kv_new = 0;
+    for (uint32_t j = 0; j < n_cells && j < remap.size(); ++j) {
+        const int32_t o = remap[j];
+        if (o >= 0 && o < old_n_kv) {
+            acc_new[j]        = acc[o];
+            L.cell_pos_obs[j] = old_pos[o];
+            n_kv_new = (int32_t) j + 1;
+        }
+    }
+    L.n_kv_obs = n_kv_new;
+    ggml_backend_tensor_set(L.q_ring,   ring.data(),    0, ring.size()*sizeof(float));
+    ggml_backend_tensor_set(L.entropy,  ent.data(),     0, ent.size()*sizeof(float));
+    ggml_backend_tensor_set(L.mass_acc, acc_new.data(), 0, acc_new.size()*sizeof(float));
+    llama_kvp_update_n_cells(st);
+}
+
+void llama_kvp_obs_reset(llama_kvp_context * st) {
+    std::fill(st->ent_sum.begin(), st->ent_sum.end(), 0.0);
+    st->n_ent        = 0;
+    st->n_obs_folded = st->n_obs_prompt;
+    for (auto & L : st->layers) {
+        std::fill(L.cell_pos_obs.begin(), L.cell_pos_obs.end(), -2);
+        L.n_kv_obs = 0;
+    }
 }

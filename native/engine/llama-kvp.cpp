@@ -6,11 +6,13 @@
 #include "llama-context.h"
 #include "llama-kv-cache.h"
 #include "llama-kv-cache-iswa.h"
+#include "llama-kvp-memory.h"
 
 #include <string>
 #include <vector>
 
-// the unified KV caches of a context: one for a plain cache, two (base, swa) for an iSWA cache
+// the KV caches of a context: one for a plain cache, two (base, swa) for an iSWA cache, one per layer for the
+// per-layer memory of a retention policy
 static std::vector<llama_kv_cache *> llama_kvp_caches(llama_context * ctx) {
     std::vector<llama_kv_cache *> res;
     llama_memory_i * mem = ctx->get_memory();
@@ -19,8 +21,20 @@ static std::vector<llama_kv_cache *> llama_kvp_caches(llama_context * ctx) {
     } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
         res.push_back(iswa->get_base());
         res.push_back(iswa->get_swa());
+    } else if (auto * pmem = dynamic_cast<llama_kvp_memory *>(mem)) {
+        for (auto & L : pmem->layers) {
+            res.push_back(L.kv.get());
+        }
     }
     return res;
+}
+
+static llama_kvp_memory * llama_kvp_mem(llama_context * ctx) {
+    auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
+    if (!mem) {
+        llama_kvp_set_error("this context has no retention policy (one KV cache per layer)");
+    }
+    return mem;
 }
 
 static bool llama_kvp_check_ctx(llama_context * ctx) {
@@ -87,8 +101,8 @@ int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_l
             s.il        = llama_kvp_kv_access::layer_il(*kv, ikv);
             s.n_cells   = (int32_t) kv->get_size();
             s.n_used    = (int32_t) n_used;
-            s.k_bytes   = k ? (int64_t) ggml_nbytes(k) : 0;
-            s.v_bytes   = v ? (int64_t) ggml_nbytes(v) : 0;
+            s.k_bytes   = k ? (int64_t) ggml_backend_buffer_get_alloc_size(k->buffer, k) : 0;
+            s.v_bytes   = v ? (int64_t) ggml_backend_buffer_get_alloc_size(v->buffer, v) : 0;
             s.on_device = (k && k->buffer && !ggml_backend_buffer_is_host(k->buffer)) ? 1 : 0;
         }
     }
@@ -120,15 +134,19 @@ int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_
     if (!st) {
         return -1;
     }
-    if (!out || n_max < st->n_cells) {
-        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(st->n_cells) + " entries");
+    const int32_t need = (int32_t) st->layers.size()*st->n_cells;
+    if (!out || n_max < need) {
+        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(need) + " entries");
         return -1;
     }
-    for (int32_t j = 0; j < st->n_cells; ++j) {
-        const llama_pos p = j < st->n_kv_obs ? st->cell_pos_obs[j] : -1;
-        out[j] = p < 0 ? -1 : p;
+    for (size_t l = 0; l < st->layers.size(); ++l) {
+        const auto & L = st->layers[l];
+        for (int32_t j = 0; j < st->n_cells; ++j) {
+            const llama_pos p = j < L.n_kv_obs ? L.cell_pos_obs[j] : -1;
+            out[l*st->n_cells + j] = p < 0 ? -1 : p;
+        }
     }
-    return st->n_cells;
+    return need;
 }
 
 int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info * out) {
@@ -159,8 +177,8 @@ static int32_t llama_kvp_obs_read(
         return -1;
     }
     ctx->synchronize();
-    const int64_t n_valid = by_cell ? st->n_kv_obs : row_len;
     for (size_t l = 0; l < st->layers.size(); ++l) {
+        const int64_t n_valid = by_cell ? std::min<int64_t>(st->layers[l].n_kv_obs, row_len) : row_len;
         ggml_tensor * t = st->layers[l].*member;
         float * dst = out + l*per_layer;
         for (int64_t r = 0; r < n_rows; ++r) {
@@ -207,4 +225,110 @@ int32_t llama_kvp_obs_request(struct llama_context * ctx) {
     }
     st->obs_requested = true;
     return 0;
+}
+
+//
+// retention policies
+//
+
+int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (n_prompt < 0) {
+        llama_kvp_set_error("prompt length must be >= 0");
+        return -1;
+    }
+    ctx->synchronize();
+    if (!mem->set_prompt_len(n_prompt)) {
+        llama_kvp_set_error("the prompt length can only be set while the cache is empty");
+        return -1;
+    }
+    return 0;
+}
+
+int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out) {
+    if (!llama_kvp_check_ctx(ctx) || !out) {
+        return -1;
+    }
+    *out = {};
+    auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
+    if (!mem) {
+        int64_t bytes = 0;
+        for (const auto & [buft, size] : ctx->get_memory() ? ctx->get_memory()->memory_breakdown() : std::map<ggml_backend_buffer_type_t, size_t>{}) {
+            bytes += (int64_t) size;
+        }
+        out->bytes      = bytes;
+        out->bytes_peak = bytes;
+        return 0;
+    }
+    out->per_layer  = 1;
+    out->budget     = (int32_t) mem->budget;
+    out->n_prompt   = mem->n_prompt;
+    out->chunk      = (int32_t) mem->chunk;
+    out->bytes      = mem->bytes();
+    out->bytes_peak = mem->bytes_peak;
+    out->n_evicted  = mem->n_evicted;
+    out->n_resize   = mem->n_resize;
+    out->n_budget   = mem->n_budget;
+    return 0;
+}
+
+int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    const int32_t n = (int32_t) mem->layers.size();
+    if (!out || n_max < n) {
+        llama_kvp_set_error("budget buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        const auto & L = mem->layers[i];
+        out[i].il        = L.il;
+        out[i].budget    = (int32_t) L.budget;
+        out[i].capacity  = (int32_t) L.capacity;
+        out[i].n_used    = (int32_t) llama_kvp_kv_access::n_used(*L.kv);
+        out[i].entropy   = L.entropy;
+        out[i].n_evicted = L.n_evicted;
+    }
+    return n;
+}
+
+int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    const auto caches = llama_kvp_caches(ctx);
+    llama_kv_cache * kv = nullptr;
+    int32_t base = 0;
+    for (auto * c : caches) {
+        const int32_t nl = llama_kvp_kv_access::n_layers(*c);
+        if (ikv >= base && ikv < base + nl) {
+            kv = c;
+            break;
+        }
+        base += nl;
+    }
+    if (!kv || llama_kvp_kv_access::n_stream(*kv) != 1) {
+        llama_kvp_set_error("no single-stream KV layer " + std::to_string(ikv) + " in this context");
+        return -1;
+    }
+    const int32_t n = (int32_t) kv->get_size();
+    if (!out || n_max < n) {
+        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        out[i] = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) i);
+    }
+    return n;
 }

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 1
+#define LLAMA_KVP_API_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,15 +42,30 @@ extern "C" {
 struct llama_context;
 
 enum llama_kvp_policy_type {
-    LLAMA_KVP_POLICY_NONE    = 0, // full cache, no observation
-    LLAMA_KVP_POLICY_OBSERVE = 1, // full cache + in-graph attention observation (telemetry)
+    LLAMA_KVP_POLICY_NONE        = 0, // full cache, no observation
+    LLAMA_KVP_POLICY_OBSERVE     = 1, // full cache + in-graph attention observation (telemetry)
+    // retention policies: one KV cache per layer, sized to the layer's budget (llama-kvp-memory.cpp)
+    LLAMA_KVP_POLICY_SINK_RECENT = 2, // first n_sink + last n_recent tokens (StreamingLLM)
+    LLAMA_KVP_POLICY_SNAPKV      = 3, // uniform budget, top-k by pooled observation-window attention
+    LLAMA_KVP_POLICY_H2O         = 4, // uniform budget, top-k by attention accumulated over decoding
+    LLAMA_KVP_POLICY_PYRAMID     = 5, // fixed linearly decreasing layer budgets, SnapKV scores
+    LLAMA_KVP_POLICY_ENTROPY     = 6, // layer budgets in proportion to mean head entropy, top-k + sinks + recent
 };
 
 struct llama_kvp_policy {
-    int32_t type;   // enum llama_kvp_policy_type
-    int32_t window; // observation window: the last `window` queries of the sequence (>= 1)
-    int32_t every;  // also observe every `every` single-token decode steps (0 = prompt batches only)
-    float   decay;  // accumulated mass: acc = decay*acc + mass at each observation, in [0, 1]
+    int32_t type;       // enum llama_kvp_policy_type
+    int32_t window;     // observation window: the last `window` queries of the sequence (>= 1)
+    int32_t every;      // also observe every `every` single-token decode steps (0 = prompt batches only)
+    float   decay;      // accumulated mass: acc = decay*acc + mass at each observation, in [0, 1]
+    float   budget;     // retained tokens per layer on average: a count (>= 1) or a fraction of the prompt (0, 1)
+    int32_t n_sink;     // first tokens always kept
+    int32_t n_recent;   // most recent tokens always kept
+    int32_t min_layer;  // entropy: smallest layer budget (0 = budget/4)
+    int32_t max_layer;  // entropy: largest layer budget (0 = 2*budget)
+    float   topk_share; // entropy: share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
+    int32_t pool;       // snapkv/pyramid: width of the average pooling of the scores over positions (odd, 1 = none)
+    float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
+    int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
 };
 
 // per layer of the KV cache, as allocated in the real ggml buffers
@@ -120,6 +135,45 @@ int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n);
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n);
 // make the next single-token decode step observe, whatever `every` says
 int32_t llama_kvp_obs_request(struct llama_context * ctx);
+
+// --- retention policies (one KV cache per layer) ---
+
+struct llama_kvp_memory_info {
+    int32_t per_layer;  // 1 if the context holds one KV cache per layer (a retention policy)
+    int32_t budget;     // resolved mean budget per layer (tokens)
+    int32_t n_prompt;   // prompt length a fractional budget was resolved against (0: n_ctx)
+    int32_t chunk;      // tokens per prompt ubatch
+    int64_t bytes;      // K+V bytes allocated now, all layers (ggml buffers)
+    int64_t bytes_peak; // largest K+V bytes allocated at any time since creation (resizes included)
+    int64_t n_evicted;  // cells evicted so far, all layers
+    int32_t n_resize;   // per-layer cache reallocations so far
+    int32_t n_budget;   // layer budget decisions (entropy policy) so far
+};
+
+struct llama_kvp_layer_budget {
+    int32_t il;         // model layer index
+    int32_t budget;     // tokens this layer keeps
+    int32_t capacity;   // cells allocated for this layer
+    int32_t n_used;     // cells holding a token
+    float   entropy;    // mean head entropy that decided the budget (nats, 0 before the first decision)
+    int64_t n_evicted;  // cells evicted from this layer so far
+};
+
+// before a new prompt (cache empty): resolves a fractional budget against n_prompt and resizes the layer caches
+int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
+
+int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
+
+// per-layer budgets of a retention policy; returns the number of layers written
+int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max);
+
+// positions held by the cells of KV layer ikv (-1: empty); returns the number of cells written
+int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+
+// splits total tokens over n_layer layers in proportion to entropy, each within [min_layer, max_layer], summing to
+// total exactly (pure function, used by the entropy policy); returns 0, or -1 if the bounds make it impossible
+int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
+                                   int32_t min_layer, int32_t max_layer, int32_t * out);
 
 // cffi-end
 

@@ -1,0 +1,705 @@
+// llama-kvp-memory.cpp - per-layer KV memory of the retention policies (see llama-kvp-memory.h).
+//
+// Each attention layer owns a llama_kv_cache with capacity PAD(budget + chunk, n_pad). Eviction only frees cells
+// (keys are stored after RoPE, positions are never rewritten). A layer whose budget changes is reallocated and its
+// tokens are moved with the cache's own state serialisation.
+
+#include "llama-kvp-memory.h"
+
+#include "llama-arch.h"
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 1;
+
+//
+// byte-vector io for moving a layer's tokens between two caches and for the state header
+//
+
+class llama_kvp_io_write : public llama_io_write_i {
+public:
+    explicit llama_kvp_io_write(std::vector<uint8_t> & buf) : buf(buf) {}
+
+    void write(const void * src, size_t size) override {
+        const uint8_t * p = (const uint8_t *) src;
+        buf.insert(buf.end(), p, p + size);
+    }
+
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t n0 = buf.size();
+        buf.resize(n0 + size);
+        ggml_backend_tensor_get(tensor, buf.data() + n0, offset, size);
+    }
+
+    size_t n_bytes() override { return buf.size(); }
+
+    std::vector<uint8_t> & buf;
+};
+
+class llama_kvp_io_read : public llama_io_read_i {
+public:
+    explicit llama_kvp_io_read(const std::vector<uint8_t> & buf) : buf(buf) {}
+
+    void read(void * dst, size_t size) override {
+        if (pos + size > buf.size()) {
+            throw std::runtime_error("pykvcache: unexpected end of a layer's KV data");
+        }
+        memcpy(dst, buf.data() + pos, size);
+        pos += size;
+    }
+
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        if (pos + size > buf.size()) {
+            throw std::runtime_error("pykvcache: unexpected end of a layer's KV data");
+        }
+        ggml_backend_tensor_set(tensor, buf.data() + pos, offset, size);
+        pos += size;
+    }
+
+    size_t n_bytes() override { return pos; }
+
+    const std::vector<uint8_t> & buf;
+    size_t pos = 0;
+};
+
+//
+// budget allocation (pure)
+//
+
+int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
+                                   int32_t min_layer, int32_t max_layer, int32_t * out) {
+    if (!entropy || !out || n_layer <= 0) {
+        llama_kvp_set_error("allocate_budgets: need at least one layer and non-NULL arrays");
+        return -1;
+    }
+    if (min_layer < 0 || max_layer < min_layer) {
+        llama_kvp_set_error("allocate_budgets: need 0 <= min_layer <= max_layer (got " + std::to_string(min_layer) + ", " + std::to_string(max_layer) + ")");
+        return -1;
+    }
+    if (total < (int64_t) min_layer*n_layer || total > (int64_t) max_layer*n_layer) {
+        llama_kvp_set_error("allocate_budgets: a total of " + std::to_string(total) + " tokens cannot be split over " +
+                std::to_string(n_layer) + " layers within [" + std::to_string(min_layer) + ", " + std::to_string(max_layer) + "]");
+        return -1;
+    }
+
+    // weights: non-finite or negative entropies count as 0; all zero -> uniform
+    std::vector<double> w(n_layer);
+    double w_sum = 0.0;
+    for (int32_t l = 0; l < n_layer; ++l) {
+        w[l] = std::isfinite(entropy[l]) && entropy[l] > 0.0f ? entropy[l] : 0.0;
+        w_sum += w[l];
+    }
+    if (w_sum <= 0.0) {
+        std::fill(w.begin(), w.end(), 1.0);
+    }
+
+    // proportional shares with clamping: layers that hit a bound are fixed there and the rest is re-split
+    std::vector<double> share(n_layer, 0.0);
+    std::vector<bool>   fixed(n_layer, false);
+    for (int32_t iter = 0; iter <= n_layer; ++iter) {
+        double rest  = (double) total;
+        double w_free = 0.0;
+        for (int32_t l = 0; l < n_layer; ++l) {
+            if (fixed[l]) {
+                rest -= share[l];
+            } else {
+                w_free += w[l];
+            }
+        }
+        bool changed = false;
+        for (int32_t l = 0; l < n_layer; ++l) {
+            if (fixed[l]) {
+                continue;
+            }
+            share[l] = w_free > 0.0 ? rest*w[l]/w_free : 0.0;
+        }
+        // fix the worst violations of one side per round (all lows if the lows weigh more, else all highs)
+        double lo = 0.0;
+        double hi = 0.0;
+        for (int32_t l = 0; l < n_layer; ++l) {
+            if (!fixed[l] && share[l] < min_layer) { lo += min_layer - share[l]; }
+            if (!fixed[l] && share[l] > max_layer) { hi += share[l] - max_layer; }
+        }
+        for (int32_t l = 0; l < n_layer; ++l) {
+            if (fixed[l]) {
+                continue;
+            }
+            if (lo >= hi && lo > 0.0 && share[l] < min_layer) { share[l] = min_layer; fixed[l] = true; changed = true; }
+            if (hi >  lo && share[l] > max_layer)             { share[l] = max_layer; fixed[l] = true; changed = true; }
+        }
+        if (!changed) {
+            break;
+        }
+    }
+
+    // integer budgets: floors, then the largest remainders get the leftover tokens
+    int64_t sum = 0;
+    std::vector<std::pair<double, int32_t>> rem(n_layer);
+    for (int32_t l = 0; l < n_layer; ++l) {
+        const double s = std::min<double>(max_layer, std::max<double>(min_layer, share[l]));
+        out[l] = (int32_t) std::floor(s);
+        sum += out[l];
+        rem[l] = { s - out[l], l };
+    }
+    std::sort(rem.begin(), rem.end(), [](const auto & a, const auto & b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    for (size_t i = 0; sum < total && i < 4*rem.size() + 4; ++i) {
+        const int32_t l = rem[i % rem.size()].second;
+        if (out[l] < max_layer) {
+            out[l]++;
+            sum++;
+        }
+    }
+    for (size_t i = 0; sum > total && i < 4*rem.size() + 4; ++i) {
+        const int32_t l = rem[rem.size() - 1 - i % rem.size()].second;
+        if (out[l] > min_layer) {
+            out[l]--;
+            sum--;
+        }
+    }
+    return 0;
+}
+
+//
+// llama_kvp_memory
+//
+
+llama_kvp_memory::llama_kvp_memory(
+        const llama_model         & model,
+        const llama_memory_params & params,
+        const llama_cparams       & cparams,
+        const llama_kvp_policy    & policy) : model(model), cparams(cparams), policy(policy), params(params) {
+    const auto & hparams = model.hparams;
+
+    layer_of_il.assign(hparams.n_layer(), -1);
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        if (!hparams.has_kv(il)) {
+            continue;
+        }
+        layer_of_il[il] = (int32_t) layers.size();
+        llama_kvp_mem_layer L;
+        L.il = (int32_t) il;
+        layers.push_back(std::move(L));
+
+        // caches on an accelerator are padded to 256 cells, which keeps the CUDA flash-attention kernels eligible
+        ggml_backend_dev_t dev = model.dev_layer((int) il);
+        if (cparams.offload_kqv && dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            n_pad = 256;
+        }
+    }
+
+    chunk  = std::max<uint32_t>(1, std::min<uint32_t>(policy.chunk, cparams.n_ubatch));
+    budget = resolve_budget(0);
+
+    const auto b = fixed_budgets(budget);
+    for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i].budget   = b[i];
+        layers[i].capacity = capacity_for(b[i]);
+        layers[i].kv       = make_cache(layers[i].il, layers[i].capacity);
+    }
+    note_bytes(0);
+}
+
+uint32_t llama_kvp_memory::resolve_budget(int32_t n_prompt) const {
+    const uint32_t n_ctx = cparams.n_ctx_seq;
+    double b;
+    if (policy.type == LLAMA_KVP_POLICY_SINK_RECENT) {
+        b = (double) policy.n_sink + policy.n_recent;
+    } else if (policy.budget >= 1.0f) {
+        b = policy.budget;
+    } else {
+        b = std::round((double) policy.budget*(n_prompt > 0 ? n_prompt : (int32_t) n_ctx));
+    }
+    const double b_min = llama_kvp_policy_n_protected(policy) + 1;
+    return (uint32_t) std::min<double>(n_ctx, std::max(b, b_min));
+}
+
+std::vector<uint32_t> llama_kvp_memory::fixed_budgets(uint32_t mean) const {
+    const int32_t n = (int32_t) layers.size();
+    std::vector<uint32_t> res(n, mean);
+    if (policy.type != LLAMA_KVP_POLICY_PYRAMID || n < 2) {
+        return res;
+    }
+    // linear from mean*(1+slope) at the first layer to mean*(1-slope) at the last, same total
+    std::vector<float>   w(n);
+    std::vector<int32_t> out(n);
+    for (int32_t l = 0; l < n; ++l) {
+        w[l] = 1.0f + policy.slope*(1.0f - 2.0f*l/(n - 1));
+    }
+    const int32_t lo = std::min<int32_t>(mean, llama_kvp_policy_n_protected(policy) + 1);
+    const int32_t hi = (int32_t) cparams.n_ctx_seq;
+    if (llama_kvp_allocate_budgets(w.data(), n, (int64_t) mean*n, lo, std::max<int32_t>(hi, mean), out.data()) == 0) {
+        for (int32_t l = 0; l < n; ++l) {
+            res[l] = (uint32_t) out[l];
+        }
+    }
+    return res;
+}
+
+uint32_t llama_kvp_memory::capacity_for(uint32_t layer_budget) const {
+    const uint32_t max_cap = GGML_PAD(cparams.n_ctx_seq, n_pad);
+    return std::min<uint32_t>(max_cap, GGML_PAD(layer_budget + chunk, n_pad));
+}
+
+std::unique_ptr<llama_kv_cache> llama_kvp_memory::make_cache(int32_t il, uint32_t size) const {
+    const auto & hparams = model.hparams;
+    llama_memory_i::layer_filter_cb filter = [il](int32_t i) { return i == il; };
+    const std::string tag = "l" + std::to_string(il);
+    return std::make_unique<llama_kv_cache>(
+            model, hparams, params.type_k, params.type_v,
+            !cparams.flash_attn, cparams.offload_kqv, cparams.kv_unified,
+            size, cparams.n_seq_max, 1, hparams.n_swa, hparams.swa_type,
+            nullptr, filter, nullptr, nullptr, tag.c_str());
+}
+
+int64_t llama_kvp_memory::bytes() const {
+    int64_t res = 0;
+    for (const auto & L : layers) {
+        if (!L.kv) {
+            continue;
+        }
+        for (const auto & [buft, size] : L.kv->memory_breakdown()) {
+            res += (int64_t) size;
+        }
+    }
+    return res;
+}
+
+void llama_kvp_memory::note_bytes(int64_t extra) {
+    bytes_peak = std::max(bytes_peak, bytes() + extra);
+}
+
+bool llama_kvp_memory::set_prompt_len(int32_t n) {
+    for (const auto & L : layers) {
+        if (llama_kvp_kv_access::n_used(*L.kv) > 0) {
+            return false;
+        }
+    }
+    n_prompt = n;
+    const uint32_t b_new = resolve_budget(n);
+    if (b_new != budget || budgets_set) {
+        budget      = b_new;
+        budgets_set = false;
+        const auto b = fixed_budgets(budget);
+        for (size_t i = 0; i < layers.size(); ++i) {
+            layers[i].budget = b[i];
+            if (capacity_for(b[i]) != layers[i].capacity) {
+                resize((int32_t) i, capacity_for(b[i]));
+            }
+        }
+    }
+    return true;
+}
+
+void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
+    const int32_t n = (int32_t) layers.size();
+
+    // entropy policy: (re)decide the layer budgets whenever a prompt ubatch was observed, from the mean entropy of
+    // the prompt observations so far (decode-step observations refresh scores, not budgets)
+    if (policy.type == LLAMA_KVP_POLICY_ENTROPY && st) {
+        std::vector<float> ent(n);
+        if (llama_kvp_obs_take_prompt_entropy(st, ent.data())) {
+            const int32_t lo = policy.min_layer > 0 ? policy.min_layer :
+                std::max<int32_t>(llama_kvp_policy_n_protected(policy) + 1, budget/4);
+            const int32_t hi = policy.max_layer > 0 ? policy.max_layer : (int32_t) std::min<uint32_t>(2*budget, cparams.n_ctx_seq);
+            std::vector<int32_t> out(n);
+            if (llama_kvp_allocate_budgets(ent.data(), n, (int64_t) budget*n, std::min<int32_t>(lo, budget),
+                        std::max<int32_t>(hi, budget), out.data()) == 0) {
+                for (int32_t i = 0; i < n; ++i) {
+                    layers[i].budget  = (uint32_t) out[i];
+                    layers[i].entropy = ent[i];
+                }
+                budgets_set = true;
+                n_budget++;
+            }
+        }
+    }
+
+    for (int32_t i = 0; i < n; ++i) {
+        auto & L = layers[i];
+        const uint32_t n_used = llama_kvp_kv_access::n_used(*L.kv);
+        const uint32_t cap    = capacity_for(L.budget);
+        const uint32_t n_keep = std::min<uint32_t>(L.budget, (cap > n_tokens ? cap - n_tokens : 0));
+        if (n_used > n_keep) {
+            evict(i, n_keep, n_tokens);
+        }
+        if (cap != L.capacity) {
+            resize(i, cap);
+        }
+    }
+}
+
+void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep, uint32_t n_incoming) {
+    GGML_UNUSED(n_incoming);
+    auto & L = layers[ikv];
+    llama_kv_cache & kv = *L.kv;
+
+    // the layer's tokens in position order
+    struct cell { llama_pos pos; uint32_t idx; float score; };
+    std::vector<cell> cells;
+    const uint32_t size = kv.get_size();
+    cells.reserve(size);
+    for (uint32_t i = 0; i < size; ++i) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
+        if (p >= 0) {
+            cells.push_back({ p, i, 0.0f });
+        }
+    }
+    const uint32_t n = (uint32_t) cells.size();
+    if (n <= n_keep) {
+        return;
+    }
+    std::sort(cells.begin(), cells.end(), [](const cell & a, const cell & b) { return a.pos < b.pos; });
+
+    // protected tokens: the first n_sink and the last n_recent
+    uint32_t n_sink   = 0;
+    uint32_t n_recent = 0;
+    switch (policy.type) {
+        case LLAMA_KVP_POLICY_SINK_RECENT:
+            n_sink   = policy.n_sink;
+            n_recent = policy.n_recent;
+            break;
+        case LLAMA_KVP_POLICY_SNAPKV:
+        case LLAMA_KVP_POLICY_PYRAMID:
+            n_recent = policy.window;
+            break;
+        case LLAMA_KVP_POLICY_H2O:
+            n_recent = policy.n_recent;
+            break;
+        case LLAMA_KVP_POLICY_ENTROPY:
+            {
+                n_sink = policy.n_sink;
+                const uint32_t rest = L.budget > n_sink ? L.budget - n_sink : 0;
+                const uint32_t topk = (uint32_t) std::lround(policy.topk_share*rest);
+                n_recent = std::max<uint32_t>(policy.n_recent, rest - std::min(rest, topk));
+            } break;
+        default:
+            break;
+    }
+    n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
+    n_sink   = std::min(n_sink, n_keep - n_recent);
+
+    // scores of the middle tokens: accumulated observed mass (0 for a token not observed yet)
+    const uint32_t i0 = n_sink;
+    const uint32_t i1 = n - n_recent;
+    const uint32_t n_topk = n_keep - n_sink - n_recent;
+    if (n_topk > 0 && st && policy.type != LLAMA_KVP_POLICY_SINK_RECENT) {
+        std::vector<float> acc;
+        std::vector<llama_pos> obs_pos;
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
+        for (auto & c : cells) {
+            c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
+        }
+        if (policy.pool > 1 && i1 > i0) {
+            // average pooling over neighbouring positions (SnapKV)
+            const int32_t r = policy.pool/2;
+            std::vector<float> pooled(n);
+            for (int32_t j = 0; j < (int32_t) n; ++j) {
+                const int32_t a = std::max<int32_t>(0, j - r);
+                const int32_t b = std::min<int32_t>(n - 1, j + r);
+                float s = 0.0f;
+                for (int32_t k = a; k <= b; ++k) {
+                    s += cells[k].score;
+                }
+                pooled[j] = s/(b - a + 1);
+            }
+            for (uint32_t j = 0; j < n; ++j) {
+                cells[j].score = pooled[j];
+            }
+        }
+    }
+
+    // keep the n_topk best of the middle (ties: the newer token), evict the others
+    std::vector<uint32_t> mid;
+    for (uint32_t j = i0; j < i1; ++j) {
+        mid.push_back(j);
+    }
+    if (n_topk < mid.size()) {
+        std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
+            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
+        });
+        for (size_t j = n_topk; j < mid.size(); ++j) {
+            llama_kvp_kv_access::cell_rm(kv, cells[mid[j]].idx);
+            L.n_evicted++;
+            n_evicted++;
+        }
+    }
+}
+
+void llama_kvp_memory::resize(int32_t ikv, uint32_t size) {
+    auto & L = layers[ikv];
+    auto kv_new = make_cache(L.il, size);
+
+    // both caches exist for a moment: that is the peak of a resize
+    int64_t new_bytes = 0;
+    for (const auto & [buft, sz] : kv_new->memory_breakdown()) {
+        new_bytes += (int64_t) sz;
+    }
+    note_bytes(new_bytes);
+
+    // where each old cell's token lands (by position: one sequence, positions are unique)
+    std::map<llama_pos, uint32_t> old_idx;
+    const uint32_t old_size = L.kv->get_size();
+    for (uint32_t i = 0; i < old_size; ++i) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, i);
+        if (p >= 0) {
+            old_idx[p] = i;
+        }
+    }
+    if (!old_idx.empty()) {
+        std::vector<uint8_t> buf;
+        llama_kvp_io_write w(buf);
+        L.kv->state_write(w, -1, 0);
+        llama_kvp_io_read r(buf);
+        kv_new->state_read(r, -1, 0);
+    }
+    std::vector<int32_t> remap(size, -1); // new cell -> old cell
+    for (uint32_t j = 0; j < size; ++j) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*kv_new, j);
+        auto it = p >= 0 ? old_idx.find(p) : old_idx.end();
+        if (it != old_idx.end()) {
+            remap[j] = (int32_t) it->second;
+        }
+    }
+
+    L.kv       = std::move(kv_new);
+    L.capacity = size;
+    n_resize++;
+
+    if (st) {
+        llama_kvp_obs_layer_resize(st, ikv, size, remap);
+    }
+}
+
+//
+// llama_memory_i
+//
+
+llama_memory_context_ptr llama_kvp_memory::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+
+    balloc.split_reset();
+    std::vector<llama_ubatch> ubatches;
+    const uint32_t n_split = std::max<uint32_t>(1, std::min(n_ubatch, chunk));
+    while (true) {
+        auto ubatch = balloc.split_simple(n_split);
+        if (ubatch.n_tokens == 0) {
+            break;
+        }
+        ubatches.push_back(std::move(ubatch)); // NOLINT
+    }
+    if (ubatches.empty() || balloc.get_n_used() < balloc.get_n_tokens()) {
+        return std::make_unique<llama_kvp_memory_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+    return std::make_unique<llama_kvp_memory_context>(this, std::move(ubatches));
+}
+
+llama_memory_context_ptr llama_kvp_memory::init_full() {
+    return std::make_unique<llama_kvp_memory_context>(this);
+}
+
+llama_memory_context_ptr llama_kvp_memory::init_update(llama_context * lctx, bool optimize) {
+    GGML_UNUSED(lctx);
+    GGML_UNUSED(optimize);
+    return std::make_unique<llama_kvp_memory_context>(LLAMA_MEMORY_STATUS_NO_UPDATE);
+}
+
+bool llama_kvp_memory::get_can_shift() const {
+    return false;
+}
+
+void llama_kvp_memory::clear(bool data) {
+    for (auto & L : layers) {
+        L.kv->clear(data);
+    }
+    budgets_set = false;
+    if (st) {
+        llama_kvp_obs_reset(st);
+    }
+}
+
+bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    bool res = true;
+    for (auto & L : layers) {
+        res = L.kv->seq_rm(seq_id, p0, p1) && res;
+    }
+    if (seq_pos_max(seq_id) < 0) {
+        budgets_set = false;
+        if (st) {
+            llama_kvp_obs_reset(st);
+        }
+    }
+    return res;
+}
+
+void llama_kvp_memory::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    GGML_UNUSED(p0);
+    GGML_UNUSED(p1);
+    if (seq_id_src == seq_id_dst) {
+        return;
+    }
+    llama_kvp_set_error("a retention policy holds one sequence per context: seq_cp is not supported");
+    LLAMA_LOG_ERROR("%s: pykvcache: a retention policy holds one sequence per context, seq_cp(%d -> %d) ignored\n", __func__, seq_id_src, seq_id_dst);
+}
+
+void llama_kvp_memory::seq_keep(llama_seq_id seq_id) {
+    for (auto & L : layers) {
+        L.kv->seq_keep(seq_id);
+    }
+}
+
+void llama_kvp_memory::seq_add(llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    if (shift == 0) {
+        return;
+    }
+    llama_kvp_set_error("a pruned KV cache cannot shift positions (seq_add): the keys are stored after RoPE");
+    LLAMA_LOG_ERROR("%s: pykvcache: a pruned KV cache cannot shift positions, seq_add(%d, %d, %d, %d) ignored\n", __func__, seq_id, p0, p1, shift);
+}
+
+void llama_kvp_memory::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    if (d == 1) {
+        return;
+    }
+    llama_kvp_set_error("a pruned KV cache cannot divide positions (seq_div): the keys are stored after RoPE");
+    LLAMA_LOG_ERROR("%s: pykvcache: a pruned KV cache cannot divide positions, seq_div(%d, %d, %d, %d) ignored\n", __func__, seq_id, p0, p1, d);
+}
+
+llama_pos llama_kvp_memory::seq_pos_min(llama_seq_id seq_id) const {
+    llama_pos res = -1;
+    for (const auto & L : layers) {
+        const llama_pos p = L.kv->seq_pos_min(seq_id);
+        if (p >= 0) {
+            res = res < 0 ? p : std::min(res, p);
+        }
+    }
+    return res;
+}
+
+llama_pos llama_kvp_memory::seq_pos_max(llama_seq_id seq_id) const {
+    llama_pos res = -1;
+    for (const auto & L : layers) {
+        res = std::max(res, L.kv->seq_pos_max(seq_id));
+    }
+    return res;
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_kvp_memory::memory_breakdown() const {
+    std::map<ggml_backend_buffer_type_t, size_t> res;
+    for (const auto & L : layers) {
+        for (const auto & [buft, size] : L.kv->memory_breakdown()) {
+            res[buft] += size;
+        }
+    }
+    return res;
+}
+
+void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    const uint32_t hdr[4] = { LLAMA_KVP_STATE_MAGIC, LLAMA_KVP_STATE_VERSION, (uint32_t) policy.type, (uint32_t) layers.size() };
+    io.write(hdr, sizeof(hdr));
+    for (const auto & L : layers) {
+        const uint32_t lb[2] = { L.budget, L.capacity };
+        io.write(lb, sizeof(lb));
+    }
+    for (const auto & L : layers) {
+        L.kv->state_write(io, seq_id, flags);
+    }
+}
+
+void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    uint32_t hdr[4] = {};
+    io.read(hdr, sizeof(hdr));
+    if (hdr[0] != LLAMA_KVP_STATE_MAGIC) {
+        throw std::runtime_error("pykvcache: this state was not saved by a context with a retention policy (per-layer KV cache)");
+    }
+    if (hdr[1] != LLAMA_KVP_STATE_VERSION) {
+        throw std::runtime_error("pykvcache: unsupported state version " + std::to_string(hdr[1]));
+    }
+    if (hdr[2] != (uint32_t) policy.type || hdr[3] != layers.size()) {
+        throw std::runtime_error(std::string("pykvcache: this state was saved with policy '") + llama_kvp_policy_type_name((int32_t) hdr[2]) +
+                "' on " + std::to_string(hdr[3]) + " layers, this context has '" + llama_kvp_policy_type_name(policy.type) +
+                "' on " + std::to_string(layers.size()) + " layers");
+    }
+    std::vector<uint32_t> lb(2*layers.size());
+    io.read(lb.data(), lb.size()*sizeof(uint32_t));
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (lb[2*i + 1] > GGML_PAD(cparams.n_ctx_seq, n_pad) || lb[2*i + 1] == 0) {
+            throw std::runtime_error("pykvcache: the saved layer capacity " + std::to_string(lb[2*i + 1]) + " does not fit this context");
+        }
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+        auto & L = layers[i];
+        L.budget = lb[2*i];
+        if (L.capacity != lb[2*i + 1]) {
+            L.kv->clear(true);
+            resize((int32_t) i, lb[2*i + 1]);
+        }
+        L.kv->state_read(io, seq_id, flags);
+    }
+    budgets_set = policy.type == LLAMA_KVP_POLICY_ENTROPY;
+    if (st) {
+        llama_kvp_obs_reset(st);
+    }
+}
+
+//
+// llama_kvp_memory_context
+//
+
+llama_kvp_memory_context::llama_kvp_memory_context(llama_memory_status status) : status(status) {}
+
+llama_kvp_memory_context::llama_kvp_memory_context(llama_kvp_memory * mem) : mem(mem), status(LLAMA_MEMORY_STATUS_SUCCESS) {
+    for (auto & L : mem->layers) {
+        ctxs.push_back(std::make_unique<llama_kv_cache_context>(L.kv.get()));
+    }
+}
+
+llama_kvp_memory_context::llama_kvp_memory_context(llama_kvp_memory * mem, std::vector<llama_ubatch> ubatches) :
+    mem(mem), status(LLAMA_MEMORY_STATUS_SUCCESS), ubatches(std::move(ubatches)) {
+}
+
+bool llama_kvp_memory_context::next() {
+    ctxs.clear();
+    return ++i_cur < ubatches.size();
+}
+
+bool llama_kvp_memory_context::apply() {
+    if (ubatches.empty()) {
+        return true;
+    }
+    const llama_ubatch & ubatch = ubatches[i_cur];
+
+    mem->prepare_ubatch(ubatch.n_tokens);
+
+    ctxs.clear();
+    for (auto & L : mem->layers) {
+        auto sinfo = L.kv->find_slot(ubatch, false);
+        if (sinfo.empty()) {
+            LLAMA_LOG_ERROR("%s: pykvcache: no room for %u tokens in the cache of layer %d (%u cells)\n",
+                    __func__, ubatch.n_tokens, L.il, L.kv->get_size());
+            return false;
+        }
+        llama_kv_cache::slot_info_vec_t sinfos = { sinfo };
+        std::vector<llama_ubatch> ubs = { ubatch };
+        auto ctx = std::make_unique<llama_kv_cache_context>(L.kv.get(), std::move(sinfos), std::move(ubs));
+        ctx->apply();
+        ctxs.push_back(std::move(ctx));
+    }
+    return true;
+}
+
+llama_memory_status llama_kvp_memory_context::get_status() const {
+    return status;
+}
+
+const llama_ubatch & llama_kvp_memory_context::get_ubatch() const {
+    return ubatches[i_cur];
+}

@@ -1,0 +1,149 @@
+// llama-kvp-memory.h - the memory of a context with a retention policy: one unmodified llama_kv_cache per attention
+// layer, each sized to that layer's budget. Tokens are placed one ubatch at a time; before each ubatch every layer
+// evicts its lowest-scored cells down to its budget (sinks and the recent window are always kept), so prompts longer
+// than the budget run in chunks with bounded memory and generation can run past the physical capacity.
+#pragma once
+
+#include "llama-kvp-impl.h"
+
+#include "llama-batch.h"
+#include "llama-cparams.h"
+#include "llama-kv-cache.h"
+#include "llama-memory.h"
+
+#include <memory>
+#include <vector>
+
+struct llama_kvp_mem_layer {
+    int32_t  il       = -1; // model layer index
+    uint32_t budget   = 0;  // tokens kept after each eviction
+    uint32_t capacity = 0;  // cells of the layer's cache
+    float    entropy  = 0;  // mean head entropy of the last budget decision
+    int64_t  n_evicted = 0;
+
+    std::unique_ptr<llama_kv_cache> kv;
+};
+
+class llama_kvp_memory : public llama_memory_i {
+public:
+    llama_kvp_memory(
+            const llama_model         & model,
+            const llama_memory_params & params,
+            const llama_cparams       & cparams,
+            const llama_kvp_policy    & policy);
+
+    ~llama_kvp_memory() = default;
+
+    //
+    // llama_memory_i
+    //
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+
+    bool get_can_shift() const override;
+
+    void clear(bool data) override;
+
+    bool seq_rm  (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id)                                                          override;
+    void seq_add (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, int d) override;
+
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    //
+    // pykvcache
+    //
+
+    // before a new prompt: resolve a fractional budget against the prompt length; false if the cache is not empty
+    bool set_prompt_len(int32_t n_prompt);
+
+    // make room for a ubatch of n_tokens in every layer: evict down to the budgets (deciding entropy budgets first)
+    void prepare_ubatch(uint32_t n_tokens);
+
+    // K+V bytes of all layer caches now
+    int64_t bytes() const;
+
+    const llama_model   & model;
+    const llama_cparams   cparams;
+    const llama_kvp_policy policy;
+
+    const llama_memory_params params;
+
+    llama_kvp_context * st = nullptr; // the policy state of the owning context (set by llama_kvp_context_init)
+
+    std::vector<llama_kvp_mem_layer> layers;
+    std::vector<int32_t>             layer_of_il; // model layer -> index into layers (-1: none)
+
+    uint32_t budget   = 0; // resolved mean budget per layer
+    int32_t  n_prompt = 0; // prompt length of a fractional budget (0: resolved against n_ctx)
+    uint32_t chunk    = 0; // tokens per prompt ubatch
+    uint32_t n_pad    = 32;
+
+    int64_t bytes_peak = 0;
+    int64_t n_evicted  = 0;
+    int32_t n_resize   = 0;
+    int32_t n_budget   = 0;
+    bool    budgets_set = false; // entropy: budgets decided from an observation
+
+private:
+    uint32_t resolve_budget(int32_t n_prompt) const;
+    void     set_budgets(const std::vector<uint32_t> & b); // also resizes the caches
+
+    // per-layer budgets of the fixed schedules (uniform, pyramid)
+    std::vector<uint32_t> fixed_budgets(uint32_t mean) const;
+
+    uint32_t capacity_for(uint32_t layer_budget) const;
+
+    std::unique_ptr<llama_kv_cache> make_cache(int32_t il, uint32_t size) const;
+
+    // reallocate one layer's cache with `size` cells, moving its tokens (and their scores)
+    void resize(int32_t ikv, uint32_t size);
+
+    // evict the lowest-value cells of one layer until n_keep remain
+    void evict(int32_t ikv, uint32_t n_keep, uint32_t n_incoming);
+
+    void note_bytes(int64_t extra);
+};
+
+class llama_kvp_memory_context : public llama_memory_context_i {
+public:
+    llama_kvp_memory_context(llama_memory_status status);
+
+    // full-cache context, used to reserve the worst-case graphs
+    explicit llama_kvp_memory_context(llama_kvp_memory * mem);
+
+    // batch processing context: each ubatch is placed when it is applied
+    llama_kvp_memory_context(llama_kvp_memory * mem, std::vector<llama_ubatch> ubatches);
+
+    bool next()  override;
+    bool apply() override;
+
+    llama_memory_status  get_status() const override;
+    const llama_ubatch & get_ubatch() const override;
+
+    // the context of KV layer ikv for the current ubatch
+    const llama_kv_cache_context * layer_ctx(int32_t ikv) const { return ctxs[ikv].get(); }
+
+    size_t n_ubatches() const { return ubatches.size(); }
+
+    llama_kvp_memory * mem = nullptr;
+
+private:
+    llama_memory_status status;
+
+    size_t i_cur = 0;
+
+    std::vector<llama_ubatch> ubatches;
+
+    std::vector<std::unique_ptr<llama_kv_cache_context>> ctxs;
+};
