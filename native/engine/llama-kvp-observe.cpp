@@ -208,7 +208,7 @@ llama_memory_i * llama_kvp_create_memory(
         snprintf(buf, sizeof(buf), "policy '%s': budget=%g is larger than the context (n_ctx=%u)", pname.c_str(), (double) policy.budget, cparams.n_ctx_seq);
         throw fail(buf);
     }
-    if ((uint32_t) llama_kvp_policy_n_protected(policy) >= cparams.n_ctx_seq) {
+    if ((uint32_t) llama_kvp_policy_n_protected(policy) > cparams.n_ctx_seq) {
         throw fail("policy '" + pname + "': the tokens always kept (" + std::to_string(llama_kvp_policy_n_protected(policy)) +
                 ") do not fit the context (n_ctx=" + std::to_string(cparams.n_ctx_seq) + ")");
     }
@@ -773,6 +773,29 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     ggml_backend_tensor_set(L.entropy,  ent.data(),     0, ent.size()*sizeof(float));
     ggml_backend_tensor_set(L.mass_acc, acc_new.data(), 0, acc_new.size()*sizeof(float));
     llama_kvp_update_n_cells(st);
+}
+
+void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores) {
+    auto & L = st->layers[ikv];
+    if (!st->observing() || scores.empty()) {
+        return;
+    }
+    std::map<llama_pos, float> by_pos(scores.begin(), scores.end());
+    llama_kv_cache * kv = st->layer_kv(ikv);
+    std::vector<float> acc(L.n_cells, 0.0f);
+    int32_t n_kv = 0;
+    for (int32_t j = 0; j < L.n_cells && j < (int32_t) kv->get_size(); ++j) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) j);
+        auto it = p >= 0 ? by_pos.find(p) : by_pos.end();
+        L.cell_pos_obs[j] = it != by_pos.end() ? p : -2;
+        if (it != by_pos.end()) {
+            acc[j] = it->second;
+            n_kv   = j + 1;
+        }
+    }
+    L.n_kv_obs = n_kv;
+    llama_kvp_sync(st);
+    ggml_backend_tensor_set(L.mass_acc, acc.data(), 0, acc.size()*sizeof(float));
 }
 
 void llama_kvp_obs_reset(llama_kvp_context * st) {

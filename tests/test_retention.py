@@ -1,0 +1,218 @@
+"""Retention policies on the real model: per-layer memory that really shrinks, chunked prefill, decode-time
+budget, equivalence with the full cache when nothing is evicted, needle retrieval, state save/load."""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+import pytest
+from conftest import PROSE, last_logits
+
+from pykvcache import EntropyLayerBudget, FullCache, H2O, Llama, PolicyError, Pyramid, SinkRecent, SnapKV, corpus
+
+# bytes of one cached token in one layer of SmolLM2-135M with an f16 cache: (K + V) * 3 KV heads * 64 dims * 2 bytes
+TOKEN_LAYER_BYTES = 2 * 3 * 64 * 2
+N_LAYER = 30
+
+
+def greedy(llm, tokens, n):
+    llm.reset()
+    llm.eval(tokens)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(last_logits(llm)))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+@pytest.fixture(scope="module")
+def essays():
+    return corpus.essays()
+
+
+def test_memory_follows_the_budget(model_path):
+    full = Llama(model_path, n_ctx=2048, verbose=False)
+    snap = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=SnapKV(budget=256, chunk=64))
+    fs, ss = full.kv_stats(), snap.kv_stats()
+    assert fs.total_bytes == N_LAYER * 2048 * TOKEN_LAYER_BYTES
+    # each layer: PAD(budget + chunk, 32) cells in its own buffers
+    assert [s.n_cells for s in ss.layers] == [320] * N_LAYER
+    assert ss.total_bytes == N_LAYER * 320 * TOKEN_LAYER_BYTES
+    mem = snap.kv_memory()
+    assert mem.per_layer and mem.bytes == ss.total_bytes and mem.budgets == [256] * N_LAYER
+    assert full.kv_memory().bytes == fs.total_bytes
+
+    pyr = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=Pyramid(budget=256, slope=0.5, chunk=64))
+    b = pyr.kv_memory().budgets
+    assert sum(b) == 256 * N_LAYER and b[0] > b[-1] and b == sorted(b, reverse=True)
+    cells = [s.n_cells for s in pyr.kv_stats().layers]
+    assert cells[0] > cells[-1]  # the buffers follow the budgets
+
+
+def test_nothing_evicted_means_the_full_cache(model_path):
+    """With a budget as large as the context, the per-layer memory computes what the unified cache computes."""
+    prompt = PROSE * 3
+    full = Llama(model_path, n_ctx=512, verbose=False)
+    tokens = full.tokenize(prompt.encode())
+    ref = greedy(full, tokens, 16)
+    ref_logits = last_logits(full)
+    for pol in (SnapKV(budget=512), EntropyLayerBudget(budget=512), SinkRecent(n_sink=4, n_recent=508)):
+        llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=pol)
+        assert greedy(llm, tokens, 16) == ref, pol
+        np.testing.assert_allclose(last_logits(llm), ref_logits, atol=2e-3, rtol=0)
+        assert llm.kv_memory().n_evicted == 0
+
+
+def test_chunked_prefill_of_a_prompt_ten_times_the_budget(model_path, essays):
+    text = "\n\n".join(essays[:10])
+    pol = EntropyLayerBudget(budget=64, chunk=32)
+    llm = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=pol)
+    tokens = llm.tokenize(text.encode())[:1000]
+    llm.eval(tokens)
+    mem = llm.kv_memory()
+    assert mem.n_evicted > 0 and mem.n_budget > 0
+    assert sum(mem.budgets) == 64 * N_LAYER
+    assert len(set(mem.budgets)) > 1  # entropy budgets differ between layers
+    for b in mem.layers:
+        assert b.n_used <= b.budget + 32 <= b.capacity
+    # peak bytes stay near the budgets: far below the 1000 tokens of the prompt
+    full_bytes = N_LAYER * 1000 * TOKEN_LAYER_BYTES
+    assert mem.bytes_peak < 0.25 * full_bytes
+    assert mem.bytes_peak >= mem.bytes == llm.kv_stats().total_bytes
+    # the model still produces sensible text after the compressed prompt
+    nxt = int(np.argmax(last_logits(llm)))
+    assert 0 <= nxt < llm.n_vocab()
+    # telemetry: budgets, entropies and the retained map
+    tel = llm.kv_telemetry()
+    assert tel.budgets == mem.budgets
+    assert tel.retained.shape == (N_LAYER, 1000)
+    assert list(tel.retained.sum(axis=1)) == [b.n_used for b in mem.layers]
+    assert tel.retained[:, :4].all()  # the sinks
+    assert tel.retained[:, -16:].all()  # the recent window
+
+
+def test_generation_far_past_the_capacity_stays_flat(model_path):
+    pol = SinkRecent(n_sink=4, n_recent=60, chunk=32)
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=pol)
+    cap = llm.kv_stats().layers[0].n_cells
+    assert cap == 96
+    tokens = llm.tokenize(PROSE.encode())
+    llm.eval(tokens)
+    before = llm.kv_memory().bytes
+    sizes = []
+    for _ in range(300):
+        llm.eval([int(np.argmax(last_logits(llm)))])
+        m = llm.kv_memory()
+        sizes.append((m.bytes, m.layers[0].n_used))
+    assert llm.n_tokens == len(tokens) + 300 > 3 * cap
+    assert {s[0] for s in sizes} == {before}
+    assert max(s[1] for s in sizes) <= 64 + 1
+    assert llm.kv_memory().bytes_peak == before
+    held = llm.kv_retained()
+    assert held[:, :4].all() and held[:, -60:].all() and held.sum(axis=1).max() <= 65
+
+
+def test_h2o_budget_holds_during_decode(model_path):
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=H2O(budget=48, n_recent=8, chunk=16))
+    tokens = llm.tokenize((PROSE * 2).encode())
+    out = greedy(llm, tokens, 40)
+    assert len(out) == 40
+    for b in llm.kv_memory().layers:
+        assert b.n_used <= 48 + 1
+
+
+def needle_prompt(llm, essays, n_tokens, depth, number):
+    needle = f"The special magic number for Lisbon is {number}."
+    question = "\n\nWhat is the special magic number for Lisbon? The special magic number for Lisbon is"
+    sentences = [s.strip() + "." for s in " ".join(essays[20:30]).replace("\n", " ").split(". ") if s.strip()]
+    body, n = [], 0
+    for s in sentences:
+        t = len(llm.tokenize((" " + s).encode(), add_bos=False))
+        if n + t > n_tokens:
+            break
+        body.append(s)
+        n += t
+    k = int(depth * len(body))
+    return llm.tokenize(" ".join(body[:k] + [needle] + body[k:]).encode() + question.encode())
+
+
+@pytest.mark.xfail(strict=True, reason="chunked prefill scores each chunk before the question arrives, so a needle "
+                                      "far from the end is evicted (docs/NOTES.md: question-guided chunk scoring)")
+def test_needle_at_25_percent_entropy_budget(model_path, essays):
+    depth = 0.3
+    full = Llama(model_path, n_ctx=1024, verbose=False)
+    tokens = needle_prompt(full, essays, 700, depth, 7351)
+    answer = full.detokenize(greedy(full, tokens, 6)).decode()
+    assert "7351" in answer  # the full cache succeeds on this case
+    pol = EntropyLayerBudget(budget=0.25, chunk=64)
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=pol)
+    answer = llm.detokenize(greedy(llm, tokens, 6)).decode()
+    mem = llm.kv_memory()
+    assert mem.n_prompt == len(tokens) and mem.budget == round(0.25 * len(tokens))
+    assert mem.n_evicted > 0
+    assert "7351" in answer
+
+
+def test_state_round_trip_and_foreign_state(model_path):
+    pol = SnapKV(budget=64, chunk=32)
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=pol)
+    tokens = llm.tokenize((PROSE * 2).encode())
+    llm.eval(tokens)
+    state = llm.save_state()
+    nxt = llm.tokenize(b" The", add_bos=False)
+    llm.eval(nxt)
+    ref = last_logits(llm)
+    first = greedy_continue(llm, [], 4)
+    other = Llama(model_path, n_ctx=512, verbose=False, kv_policy=pol)
+    other.load_state(state)
+    assert other.kv_memory().budgets == llm.kv_memory().budgets
+    assert other.kv_memory().n_prompt == llm.kv_memory().n_prompt
+    other.eval(nxt)
+    # same tokens and scores; the cells are renumbered on load, so sums may run in another order
+    np.testing.assert_allclose(last_logits(other), ref, atol=1e-3, rtol=0)
+    assert greedy_continue(other, [], 4) == first
+
+    full = Llama(model_path, n_ctx=512, verbose=False)
+    full.eval(tokens)
+    with pytest.raises(RuntimeError):
+        other.load_state(full.save_state())
+    with pytest.raises(RuntimeError):
+        full.load_state(state)
+
+
+def greedy_continue(llm, start, n):
+    """Evaluate `start`, then n greedy tokens; returns the tokens chosen."""
+    if start:
+        llm.eval(start)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(last_logits(llm)))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def test_position_shift_is_refused_cleanly(model_path):
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=SnapKV(budget=64, chunk=32))
+    llm.eval(llm.tokenize(PROSE.encode()))
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    assert not llama_cpp.llama_memory_can_shift(mem)
+    p_max = llama_cpp.llama_memory_seq_pos_max(mem, 0)
+    llama_cpp.llama_memory_seq_add(mem, 0, 0, -1, -10)  # refused: logged, nothing changes
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p_max
+    assert llama_cpp.llama_memory_seq_rm(mem, 0, p_max - 4, -1)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p_max - 5
+
+
+def test_budget_larger_than_the_context(model_path):
+    with pytest.raises(PolicyError, match=r"budget=4096 is larger than the context \(n_ctx=1024\)"):
+        Llama(model_path, n_ctx=1024, verbose=False, kv_policy=EntropyLayerBudget(budget=4096))
+    # nothing the user had is lost: a context made before still works
+    ok = Llama(model_path, n_ctx=256, verbose=False, kv_policy=FullCache())
+    ok.eval(ok.tokenize(b"Hello"))
+
+
+def test_unsupported_architecture_is_named(tiny_gemma3):
+    with pytest.raises(PolicyError, match=r"does not support architecture 'gemma3'.*sliding-window"):
+        Llama(tiny_gemma3, n_ctx=256, verbose=False, kv_policy=EntropyLayerBudget(budget=64))
