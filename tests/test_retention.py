@@ -16,14 +16,9 @@ N_LAYER = 30
 
 
 def greedy(llm, tokens, n):
+    """A fresh prompt, then n greedy tokens."""
     llm.reset()
-    llm.eval(tokens)
-    out = []
-    for _ in range(n):
-        tok = int(np.argmax(last_logits(llm)))
-        out.append(tok)
-        llm.eval([tok])
-    return out
+    return greedy_continue(llm, tokens, n)
 
 
 @pytest.fixture(scope="module")
