@@ -331,7 +331,7 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
         const uint32_t cap    = capacity_for(L.budget);
         const uint32_t n_keep = std::min<uint32_t>(L.budget, (cap > n_tokens ? cap - n_tokens : 0));
         if (n_used > n_keep) {
-            evict(i, n_keep, n_tokens);
+            evict(i, n_keep);
         }
         if (cap != L.capacity) {
             resize(i, cap);
@@ -339,8 +339,7 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
     }
 }
 
-void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep, uint32_t n_incoming) {
-    GGML_UNUSED(n_incoming);
+void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     auto & L = layers[ikv];
     llama_kv_cache & kv = *L.kv;
 

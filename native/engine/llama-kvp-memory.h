@@ -110,7 +110,7 @@ private:
     void resize(int32_t ikv, uint32_t size);
 
     // evict the lowest-value cells of one layer until n_keep remain
-    void evict(int32_t ikv, uint32_t n_keep, uint32_t n_incoming);
+    void evict(int32_t ikv, uint32_t n_keep);
 
     void note_bytes(int64_t extra);
 };

@@ -109,6 +109,19 @@ int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_l
     return n;
 }
 
+// positions held by the cells of a single-stream cache (-1: empty)
+static int32_t llama_kvp_fill_cell_pos(const llama_kv_cache & kv, int32_t * out, int32_t n_max) {
+    const int32_t n = (int32_t) kv.get_size();
+    if (!out || n_max < n) {
+        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        out[i] = llama_kvp_kv_access::cell_pos(kv, (uint32_t) i);
+    }
+    return n;
+}
+
 int32_t llama_kvp_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max) {
     if (!llama_kvp_check_ctx(ctx)) {
         return -1;
@@ -118,15 +131,7 @@ int32_t llama_kvp_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_
         llama_kvp_set_error("cell positions need a single-stream unified KV cache");
         return -1;
     }
-    const int32_t n = (int32_t) kv->get_size();
-    if (!out || n_max < n) {
-        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(n) + " entries");
-        return -1;
-    }
-    for (int32_t i = 0; i < n; ++i) {
-        out[i] = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) i);
-    }
-    return n;
+    return llama_kvp_fill_cell_pos(*kv, out, n_max);
 }
 
 int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max) {
@@ -322,13 +327,5 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
         llama_kvp_set_error("no single-stream KV layer " + std::to_string(ikv) + " in this context");
         return -1;
     }
-    const int32_t n = (int32_t) kv->get_size();
-    if (!out || n_max < n) {
-        llama_kvp_set_error("cell position buffer too small: need " + std::to_string(n) + " entries");
-        return -1;
-    }
-    for (int32_t i = 0; i < n; ++i) {
-        out[i] = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) i);
-    }
-    return n;
+    return llama_kvp_fill_cell_pos(*kv, out, n_max);
 }
