@@ -105,6 +105,16 @@ class Llama(llama_cpp.Llama):
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
             if lib.llama_kvp_set_prompt_len(self._native_ctx(), len(tokens)) != 0:
                 raise PolicyError(last_error())
+        if pol is not None and getattr(pol, "guide", False) and len(tokens) > 1 and not self._logits_all:
+            # question-guided prefill: every chunk but the last is scored by the prompt's end run behind it
+            _, lib = native()
+            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+            k = lib.llama_kvp_prefill_guided(self._native_ctx(), list(tokens), len(tokens), self.n_tokens)
+            if k < 0:
+                raise RuntimeError(last_error())
+            self.input_ids[self.n_tokens : self.n_tokens + k] = tokens[:k]
+            self.n_tokens += k
+            tokens = tokens[k:]
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
         super().eval(tokens)

@@ -26,6 +26,8 @@ class KVPolicy:
                 raise PolicyError(f"{self.name}: {f.name} must be an integer (got {value!r})")
             if f.type in ("float", float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise PolicyError(f"{self.name}: {f.name} must be a number (got {value!r})")
+            if f.type in ("bool", bool) and value not in (True, False):
+                raise PolicyError(f"{self.name}: {f.name} must be True or False (got {value!r})")
         self.to_native()  # the native engine validates the values
 
     def to_native(self) -> Any:
@@ -33,7 +35,8 @@ class KVPolicy:
         ffi, lib = native()
         p = ffi.new("struct llama_kvp_policy *", lib.llama_kvp_policy_default(self.type_id))
         for f in fields(self):
-            setattr(p, f.name, getattr(self, f.name))
+            value = getattr(self, f.name)
+            setattr(p, f.name, int(value) if isinstance(value, bool) else value)
         if lib.llama_kvp_policy_validate(p) != 0:
             raise PolicyError(last_error())
         return p
@@ -126,7 +129,9 @@ class SinkRecent(RetentionPolicy):
 @dataclass(frozen=True)
 class SnapKV(RetentionPolicy):
     """SnapKV-style: a uniform budget; top-k by the attention of the last `window` queries, average-pooled over
-    `pool` neighbouring positions; the window itself is kept. Scores are refreshed every `every` decode steps."""
+    `pool` neighbouring positions; the window itself is kept. Scores are refreshed every `every` decode steps. With
+    `guide`, each prompt chunk is scored by the prompt's last `window` tokens run behind it (as SnapKV scores a whole
+    prompt by its end), not by the chunk's own end."""
 
     name: ClassVar[str] = "snapkv"
     type_id: ClassVar[int] = 3
@@ -136,6 +141,7 @@ class SnapKV(RetentionPolicy):
     pool: int = 5
     every: int = 16
     chunk: int = 128
+    guide: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class H2O(RetentionPolicy):
 @dataclass(frozen=True)
 class Pyramid(RetentionPolicy):
     """PyramidKV-style: fixed layer budgets decreasing linearly from budget*(1+slope) to budget*(1-slope), with
-    SnapKV scores."""
+    SnapKV scores (prompt chunks guided by the prompt's end, see `SnapKV`)."""
 
     name: ClassVar[str] = "pyramid"
     type_id: ClassVar[int] = 5
@@ -165,6 +171,7 @@ class Pyramid(RetentionPolicy):
     pool: int = 5
     every: int = 16
     chunk: int = 128
+    guide: bool = True
 
 
 @dataclass(frozen=True)
@@ -172,8 +179,8 @@ class EntropyLayerBudget(RetentionPolicy):
     """Entropy-guided layer budgets: the total budget is split across layers in proportion to the mean per-head
     attention entropy observed on the prompt, each layer within [min_layer, max_layer] (0: budget/4 and 2*budget).
     Each layer keeps one token set shared by its heads: `n_sink` sinks, the top `topk_share` of the rest by attention
-    mass (heads and window queries aggregated, decayed by `decay` per observation), and the most recent tokens
-    (at least `n_recent`)."""
+    mass (heads and window queries aggregated, decayed by `decay` per observation, max-pooled over `pool` neighbouring
+    positions so that a whole span such as a number is kept), and the most recent tokens (at least `n_recent`). With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -185,9 +192,11 @@ class EntropyLayerBudget(RetentionPolicy):
     n_recent: int = 16
     topk_share: float = 0.5
     window: int = 32
+    pool: int = 9
     every: int = 16
     decay: float = 0.5
     chunk: int = 128
+    guide: bool = True
 
 
 POLICIES: Dict[int, Type[KVPolicy]] = {
@@ -202,6 +211,8 @@ def from_native(p: Any) -> KVPolicy:
         raise PolicyError(f"unknown native policy type {p.type}")
     kwargs = {f.name: getattr(p, f.name) for f in fields(cls)}
     for f in fields(cls):
+        if f.type in ("bool", bool):
+            kwargs[f.name] = bool(kwargs[f.name])
         if f.type in ("float", float):
             x = round(float(kwargs[f.name]), 6)
             kwargs[f.name] = int(x) if f.name == "budget" and x >= 1 else x

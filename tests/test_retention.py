@@ -31,9 +31,11 @@ def test_memory_follows_the_budget(model_path):
     snap = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=SnapKV(budget=256, chunk=64))
     fs, ss = full.kv_stats(), snap.kv_stats()
     assert fs.total_bytes == N_LAYER * 2048 * TOKEN_LAYER_BYTES
-    # each layer: PAD(budget + chunk, 32) cells in its own buffers
-    assert [s.n_cells for s in ss.layers] == [320] * N_LAYER
-    assert ss.total_bytes == N_LAYER * 320 * TOKEN_LAYER_BYTES
+    # each layer: PAD(budget + chunk + window, 32) cells in its own buffers (the window: guided prompt chunks)
+    assert [s.n_cells for s in ss.layers] == [352] * N_LAYER
+    assert ss.total_bytes == N_LAYER * 352 * TOKEN_LAYER_BYTES
+    unguided = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=SnapKV(budget=256, chunk=64, guide=False))
+    assert [s.n_cells for s in unguided.kv_stats().layers] == [320] * N_LAYER
     mem = snap.kv_memory()
     assert mem.per_layer and mem.bytes == ss.total_bytes and mem.budgets == [256] * N_LAYER
     assert full.kv_memory().bytes == fs.total_bytes
@@ -57,6 +59,21 @@ def test_nothing_evicted_means_the_full_cache(model_path):
         assert greedy(llm, tokens, 16) == ref, pol
         np.testing.assert_allclose(last_logits(llm), ref_logits, atol=2e-3, rtol=0)
         assert llm.kv_memory().n_evicted == 0
+
+
+def test_guided_prefill_leaves_no_trace_without_eviction(model_path, essays):
+    """Guided chunks run the prompt's end behind each chunk and then remove it: with nothing evicted, the cache holds
+    exactly the prompt and the model answers as with the full cache."""
+    full = Llama(model_path, n_ctx=1024, verbose=False)
+    tokens = full.tokenize(essays[3].encode())[:450]
+    ref = greedy(full, tokens, 12)
+    for guide in (True, False):
+        llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=EntropyLayerBudget(budget=600, guide=guide))
+        llm.reset()
+        llm.eval(tokens)
+        assert [b.n_used for b in llm.kv_memory().layers] == [len(tokens)] * N_LAYER
+        assert llm.kv_retained().all()
+        assert greedy(llm, tokens, 12) == ref, guide
 
 
 def test_chunked_prefill_of_a_prompt_ten_times_the_budget(model_path, essays):
@@ -132,8 +149,6 @@ def needle_prompt(llm, essays, n_tokens, depth, number):
     return llm.tokenize(" ".join(body[:k] + [needle] + body[k:]).encode() + question.encode())
 
 
-@pytest.mark.xfail(strict=True, reason="chunked prefill scores each chunk before the question arrives, so a needle "
-                                      "far from the end is evicted (docs/NOTES.md: question-guided chunk scoring)")
 def test_needle_at_25_percent_entropy_budget(model_path, essays):
     depth = 0.3
     full = Llama(model_path, n_ctx=1024, verbose=False)

@@ -199,3 +199,6 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
 
 // forget scores and prompt entropies (the cache was cleared)
 void llama_kvp_obs_reset(llama_kvp_context * st);
+
+// forget the scores of the cells of KV layer ikv that hold positions [p0, p1) (p < 0: unbounded), before a seq_rm
+void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1);

@@ -197,7 +197,11 @@ llama_kvp_memory::llama_kvp_memory(
         }
     }
 
-    chunk  = std::max<uint32_t>(1, std::min<uint32_t>(policy.chunk, cparams.n_ubatch));
+    // a guided chunk and the prompt-end tokens behind it form one ubatch
+    if (policy.guide && policy.window > 0 && cparams.n_ubatch > (uint32_t) policy.window) {
+        n_guide = (uint32_t) policy.window;
+    }
+    chunk  = std::max<uint32_t>(1, std::min<uint32_t>(policy.chunk, cparams.n_ubatch - n_guide));
     budget = resolve_budget(0);
 
     const auto b = fixed_budgets(budget);
@@ -248,7 +252,7 @@ std::vector<uint32_t> llama_kvp_memory::fixed_budgets(uint32_t mean) const {
 
 uint32_t llama_kvp_memory::capacity_for(uint32_t layer_budget) const {
     const uint32_t max_cap = GGML_PAD(cparams.n_ctx_seq, n_pad);
-    return std::min<uint32_t>(max_cap, GGML_PAD(layer_budget + chunk, n_pad));
+    return std::min<uint32_t>(max_cap, GGML_PAD(layer_budget + chunk + n_guide, n_pad));
 }
 
 std::unique_ptr<llama_kv_cache> llama_kvp_memory::make_cache(int32_t il, uint32_t size) const {
@@ -400,7 +404,9 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
             c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
         }
         if (policy.pool > 1 && i1 > i0) {
-            // average pooling over neighbouring positions (SnapKV)
+            // pooling over neighbouring positions: average (SnapKV), or max for the entropy policy, which keeps a
+            // whole span (a number, a name) around a token the window attends to
+            const bool    use_max = policy.type == LLAMA_KVP_POLICY_ENTROPY;
             const int32_t r = policy.pool/2;
             std::vector<float> pooled(n);
             for (int32_t j = 0; j < (int32_t) n; ++j) {
@@ -408,9 +414,9 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
                 const int32_t b = std::min<int32_t>(n - 1, j + r);
                 float s = 0.0f;
                 for (int32_t k = a; k <= b; ++k) {
-                    s += cells[k].score;
+                    s = use_max ? std::max(s, cells[k].score) : s + cells[k].score;
                 }
-                pooled[j] = s/(b - a + 1);
+                pooled[j] = use_max ? s : s/(b - a + 1);
             }
             for (uint32_t j = 0; j < n; ++j) {
                 cells[j].score = pooled[j];
@@ -489,7 +495,7 @@ llama_memory_context_ptr llama_kvp_memory::init_batch(llama_batch_allocr & ballo
 
     balloc.split_reset();
     std::vector<llama_ubatch> ubatches;
-    const uint32_t n_split = std::max<uint32_t>(1, std::min(n_ubatch, chunk));
+    const uint32_t n_split = std::max<uint32_t>(1, std::min(n_ubatch, chunk + (guiding ? n_guide : 0)));
     while (true) {
         auto ubatch = balloc.split_simple(n_split);
         if (ubatch.n_tokens == 0) {
@@ -529,8 +535,11 @@ void llama_kvp_memory::clear(bool data) {
 
 bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
     bool res = true;
-    for (auto & L : layers) {
-        res = L.kv->seq_rm(seq_id, p0, p1) && res;
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (st) {
+            llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
+        }
+        res = layers[i].kv->seq_rm(seq_id, p0, p1) && res;
     }
     if (seq_pos_max(seq_id) < 0) {
         budgets_set = false;

@@ -87,6 +87,8 @@ public:
     uint32_t budget   = 0; // resolved mean budget per layer
     int32_t  n_prompt = 0; // prompt length of a fractional budget (0: resolved against n_ctx)
     uint32_t chunk    = 0; // tokens per prompt ubatch
+    uint32_t n_guide  = 0; // guided prefill: prompt-end tokens run behind each chunk (0: off)
+    bool     guiding  = false; // a guided chunk is being decoded: one ubatch of up to chunk + n_guide tokens
     uint32_t n_pad    = 32;
 
     int64_t bytes_peak = 0;

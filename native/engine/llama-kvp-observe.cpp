@@ -26,6 +26,7 @@
 #include <cmath>
 #include <map>
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 #include <typeinfo>
 
@@ -805,5 +806,20 @@ void llama_kvp_obs_reset(llama_kvp_context * st) {
     for (auto & L : st->layers) {
         std::fill(L.cell_pos_obs.begin(), L.cell_pos_obs.end(), -2);
         L.n_kv_obs = 0;
+    }
+}
+
+void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1) {
+    auto & L = st->layers[ikv];
+    if (p0 < 0) {
+        p0 = 0;
+    }
+    if (p1 < 0) {
+        p1 = std::numeric_limits<llama_pos>::max();
+    }
+    for (auto & p : L.cell_pos_obs) {
+        if (p >= p0 && p < p1) {
+            p = -2;
+        }
     }
 }

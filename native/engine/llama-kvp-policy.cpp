@@ -44,10 +44,10 @@ static const llama_kvp_type_info k_types[] = {
     { LLAMA_KVP_POLICY_NONE,        "none",        ""                                                                  },
     { LLAMA_KVP_POLICY_OBSERVE,     "observe",     "window,every,decay"                                                },
     { LLAMA_KVP_POLICY_SINK_RECENT, "sink_recent", "n_sink,n_recent,chunk"                                             },
-    { LLAMA_KVP_POLICY_SNAPKV,      "snapkv",      "budget,window,pool,every,chunk"                                    },
+    { LLAMA_KVP_POLICY_SNAPKV,      "snapkv",      "budget,window,pool,every,chunk,guide"                              },
     { LLAMA_KVP_POLICY_H2O,         "h2o",         "budget,n_recent,every,chunk"                                       },
-    { LLAMA_KVP_POLICY_PYRAMID,     "pyramid",     "budget,slope,window,pool,every,chunk"                              },
-    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,every,decay,chunk" },
+    { LLAMA_KVP_POLICY_PYRAMID,     "pyramid",     "budget,slope,window,pool,every,chunk,guide"                        },
+    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,pool,every,decay,chunk,guide" },
 };
 
 // the keys, where they live in the struct, and their kind
@@ -70,6 +70,7 @@ static const llama_kvp_key_info k_keys[] = {
     { "pool",       false, offsetof(llama_kvp_policy, pool)       },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
+    { "guide",      false, offsetof(llama_kvp_policy, guide)      },
 };
 
 static const llama_kvp_type_info * llama_kvp_type_find(int32_t type) {
@@ -119,6 +120,7 @@ struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
     res.pool       = 1;
     res.slope      = 0.5f;
     res.chunk      = 128;
+    res.guide      = 0;
     switch (type) {
         case LLAMA_KVP_POLICY_SINK_RECENT:
             res.n_sink   = 4;
@@ -130,6 +132,7 @@ struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
             res.pool   = 5;
             res.every  = 16;
             res.decay  = 0.0f;
+            res.guide  = 1;
             break;
         case LLAMA_KVP_POLICY_H2O:
             res.budget   = 0.25f;
@@ -143,6 +146,8 @@ struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
             res.n_recent = 16;
             res.every    = 16;
             res.decay    = 0.5f;
+            res.pool     = 9;
+            res.guide    = 1;
             break;
         default:
             break;
@@ -229,6 +234,10 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
     }
     if (has("slope") && !(p.slope >= 0.0f && p.slope < 1.0f)) {
         snprintf(buf, sizeof(buf), "%s: slope must be in [0, 1) (got %g)", name, (double) p.slope);
+        return buf;
+    }
+    if (has("guide") && p.guide != 0 && p.guide != 1) {
+        snprintf(buf, sizeof(buf), "%s: guide must be 0 or 1 (got %d)", name, p.guide);
         return buf;
     }
     if (has("chunk") && p.chunk < 1) {

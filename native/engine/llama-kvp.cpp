@@ -256,6 +256,56 @@ int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt) {
     return 0;
 }
 
+int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (!tokens || n_tokens < 0 || pos0 < 0) {
+        llama_kvp_set_error("prefill_guided: need a token array, n_tokens >= 0 and pos0 >= 0");
+        return -1;
+    }
+    const int32_t chunk = (int32_t) mem->chunk;
+    const int32_t n_g   = (int32_t) mem->n_guide;
+    // the caller's last chunk holds the prompt's end itself; nothing to guide if that is all there is
+    if (n_g == 0 || chunk < n_g || n_tokens <= chunk) {
+        return 0;
+    }
+    const int32_t k = n_tokens - chunk;
+    const llama_token * tail = tokens + n_tokens - n_g;
+
+    llama_batch batch = llama_batch_init(chunk + n_g, 0, 1);
+    int32_t res = k;
+    mem->guiding = true;
+    // the first chunk takes the remainder, so that all later ones are full
+    for (int32_t i0 = 0; i0 < k; ) {
+        const int32_t n = (i0 == 0 && k % chunk != 0) ? k % chunk : chunk;
+        batch.n_tokens = n + n_g;
+        for (int32_t j = 0; j < n + n_g; ++j) {
+            batch.token[j]     = j < n ? tokens[i0 + j] : tail[j - n];
+            batch.pos[j]       = pos0 + i0 + j;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j]    = 0;
+        }
+        const int32_t ret = llama_decode(ctx, batch);
+        // the prompt-end tokens were only there to score the cache: their positions go to the next chunk
+        llama_memory_seq_rm(llama_get_memory(ctx), 0, pos0 + i0 + n, -1);
+        if (ret != 0) {
+            llama_kvp_set_error("prefill_guided: llama_decode failed (" + std::to_string(ret) + ") at token " + std::to_string(i0));
+            res = -1;
+            break;
+        }
+        i0 += n;
+    }
+    mem->guiding = false;
+    llama_batch_free(batch);
+    return res;
+}
+
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out) {
     if (!llama_kvp_check_ctx(ctx) || !out) {
         return -1;

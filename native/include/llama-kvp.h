@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 2
+#define LLAMA_KVP_API_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,9 +63,10 @@ struct llama_kvp_policy {
     int32_t min_layer;  // entropy: smallest layer budget (0 = budget/4)
     int32_t max_layer;  // entropy: largest layer budget (0 = 2*budget)
     float   topk_share; // entropy: share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
-    int32_t pool;       // snapkv/pyramid: width of the average pooling of the scores over positions (odd, 1 = none)
+    int32_t pool;       // width of the pooling of the scores over positions (odd, 1 = none): average, max for entropy
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
+    int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
 };
 
 // per layer of the KV cache, as allocated in the real ggml buffers
@@ -163,6 +164,12 @@ struct llama_kvp_layer_budget {
 int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
 
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
+
+// question-guided prefill (policy with guide = 1): decodes tokens[0..k) at positions pos0.. in chunks, running the
+// prompt's last `window` tokens behind each chunk (at the positions that follow it, then removed) so that every chunk
+// is scored by the end of the prompt, as SnapKV scores a whole prompt. Returns k; the caller decodes tokens[k..n)
+// itself (one chunk that ends with those tokens, with the logits it wants). 0 when there is nothing to guide.
+int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0);
 
 // per-layer budgets of a retention policy; returns the number of layers written
 int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max);
