@@ -306,6 +306,16 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
     return res;
 }
 
+int32_t llama_kvp_reset_peak(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    if (auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory())) {
+        mem->bytes_peak = mem->bytes();
+    }
+    return 0;
+}
+
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out) {
     if (!llama_kvp_check_ctx(ctx) || !out) {
         return -1;

