@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct kvbench_params {
@@ -57,7 +58,7 @@ struct kvbench_result {
     int64_t              kv_bytes_peak = 0; // largest K+V bytes at any time
     std::vector<int64_t> kv_layer_bytes;    // per layer, after the last repetition
     std::vector<int32_t> kv_layer_cells;    // per layer capacity
-    int64_t              n_evicted     = 0;
+    int64_t              n_evicted     = 0;   // cells evicted per repetition, all layers
     double               obs_overhead  = 0.0; // share of decode time spent in observing steps beyond a plain step
     int32_t              n_obs_steps   = 0;   // observing decode steps (all repetitions)
     std::vector<double>  t_obs_steps;         // their times (s)
@@ -86,7 +87,7 @@ static void kvbench_usage(const char * argv0) {
     printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
     printf("                            a fractional budget is a fraction of depth + prompt\n");
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
-    printf("  -t, --threads N           CPU threads (default: llama.cpp's choice)\n");
+    printf("  -t, --threads N           CPU threads (default: the hardware threads of the machine)\n");
     printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
     printf("  -c, --ctx-size N          context size (default: the largest depth + prompt + gen, padded to 256)\n");
     printf("  -b, --batch-size N        logical and physical batch size (default: 512)\n");
@@ -97,7 +98,7 @@ static void kvbench_usage(const char * argv0) {
     printf("  --no-progress             do not print progress on stderr\n");
     printf("  -v, --verbose             show llama.cpp's log\n");
     printf("\nfigures: pp t/s and tg t/s (mean and sd over repetitions), KV bytes per layer and in total and their peak\n");
-    printf("(from the ggml buffers), evicted cells, observation overhead (share of decode time that observing steps take\n");
+    printf("(from the ggml buffers), evicted cells per repetition, observation overhead (share of decode time that observing steps take\n");
     printf("beyond the median plain step of the policy, or of full if every step observes), and ratios to full.\n");
 }
 
@@ -321,6 +322,9 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     const bool retains = pol.type >= LLAMA_KVP_POLICY_SINK_RECENT;
     const bool guided  = retains && pol.guide;
 
+    struct llama_kvp_memory_info mi0 = {};
+    llama_kvp_memory_info(ctx, &mi0);
+
     std::vector<double> step_t;   // all decode steps of all repetitions
     std::vector<bool>   step_obs; // whether that step observed
     for (int32_t rep = 0; rep < params.reps; ++rep) {
@@ -401,7 +405,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     llama_kvp_memory_info(ctx, &mi);
     r.kv_bytes      = mi.bytes;
     r.kv_bytes_peak = mi.bytes_peak;
-    r.n_evicted     = mi.n_evicted;
+    r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
 }
 
 //
@@ -496,6 +500,10 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "kvbench: %s\n", e.what());
         return 1;
     }
+    if (params.n_threads == 0) {
+        // the machine's hardware threads (llama.h's default of 4 oversubscribes small machines)
+        params.n_threads = (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    }
     if (params.policies.empty()) {
         params.policies = { "full", "sink_recent", "snapkv:budget=0.25", "h2o:budget=0.25", "pyramid:budget=0.25", "entropy:budget=0.25" };
     }
@@ -580,10 +588,8 @@ int main(int argc, char ** argv) {
         cparams.n_batch  = params.n_batch;
         cparams.n_ubatch = params.n_batch;
         cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        if (params.n_threads > 0) {
-            cparams.n_threads       = params.n_threads;
-            cparams.n_threads_batch = params.n_threads;
-        }
+        cparams.n_threads       = params.n_threads;
+        cparams.n_threads_batch = params.n_threads;
         if (pol.type != LLAMA_KVP_POLICY_NONE && llama_kvp_set_pending(&pol) != 0) {
             fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
             rc = 1;

@@ -1,10 +1,13 @@
-"""`pykvcache` command line: generate text or record attention telemetry with a KV policy."""
+"""`pykvcache` command line: generate text, record attention telemetry, benchmark (kvbench) and evaluate policies."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 POLICY_HELP = (
@@ -48,6 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Process a prompt with an observing policy and report attention entropy and mass.")
     _add_common(t, "observe")
     t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
+
+    sub.add_parser("bench", add_help=False, help="run kvbench (speed and KV memory per policy); see `pykvcache bench --help`",
+                   description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
+                               "by default (--random: random tokens).")
+
+    e = sub.add_parser("eval", help="fidelity of policies vs the full cache: KL/top-1, needles, greedy agreement",
+                       description="Teacher-forced KL and top-1 while real prose streams in, needle retrieval over "
+                                   "lengths x depths, greedy agreement; writes eval.json, eval.md and PNG plots.")
+    e.add_argument("--preset", choices=["quick", "full"], default="quick",
+                   help="quick: 1k-token texts, 3 depths (minutes on 2 cores); full: 4k-token texts and needles, 5 depths")
+    e.add_argument("--policies", default=None, help="comma-separated policies (default: all retention policies)")
+    e.add_argument("--budgets", default=None, help="comma-separated budgets as fractions of the prompt (default: 0.25,0.1)")
+    e.add_argument("--needle-lengths", default=None, help="comma-separated needle prompt lengths in tokens")
+    e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1]")
+    e.add_argument("--kl-tokens", type=int, default=None, help="tokens of the KL text (prefix + streamed)")
+    e.add_argument("--stream", type=int, default=None, help="tokens streamed and scored after the prefix")
+    e.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
+    e.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default: 2)")
+    e.add_argument("-o", "--output", default="kv_eval", help="output folder (default: kv_eval)")
+    e.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser
 
 
@@ -129,16 +152,82 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     return 0
 
 
+def kvbench_path() -> Path:
+    """Path of the kvbench binary installed with the package."""
+    return Path(__file__).resolve().parent / "bin" / ("kvbench.exe" if sys.platform == "win32" else "kvbench")
+
+
+def cmd_bench(argv: List[str]) -> int:
+    """Run kvbench with argv, on the embedded model and the essays (unless -m / -f / --random say otherwise)."""
+    exe = kvbench_path()
+    if not exe.is_file():
+        print(f"pykvcache: error: kvbench is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    argv = list(argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    if not wants_help and not any(a in ("-m", "--model") for a in argv) and "PYKVCACHE_MODEL" not in env:
+        from .llama import default_model_path
+
+        env["PYKVCACHE_MODEL"] = default_model_path()
+    if "--random" in argv:
+        argv.remove("--random")
+    elif not wants_help and not any(a in ("-f", "--file") for a in argv):
+        from . import corpus
+
+        argv += ["-f", str(corpus.essays_file())]
+    return subprocess.run([str(exe)] + argv, env=env).returncode
+
+
+def _floats(s: Optional[str]) -> Optional[List[float]]:
+    return None if s is None else [float(x) for x in s.split(",") if x.strip()]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run the fidelity harness and write its outputs."""
+    from .evaluate import EvalConfig, evaluate, markdown, write_outputs
+
+    cfg = EvalConfig.quick() if args.preset == "quick" else EvalConfig.full()
+    if args.policies is not None:
+        cfg.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if args.budgets is not None:
+        cfg.budgets = _floats(args.budgets) or []
+    if args.needle_lengths is not None:
+        cfg.needle_lengths = [int(x) for x in args.needle_lengths.split(",") if x.strip()]
+    if args.depths is not None:
+        cfg.depths = _floats(args.depths) or []
+    if args.kl_tokens is not None:
+        cfg.kl_tokens = args.kl_tokens
+    if args.stream is not None:
+        cfg.stream = args.stream
+    cfg.threads, cfg.model_path = args.threads, args.model
+    cfg.validate()
+    results = evaluate(cfg, quiet=args.quiet)
+    paths = write_outputs(results, Path(args.output))
+    print(markdown(results))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the `pykvcache` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
+    from .evaluate import EvalError
     from .policies import PolicyError
 
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "eval":
+            return cmd_eval(args)
         return cmd_telemetry(args)
-    except (PolicyError, FileNotFoundError) as exc:
+    except (PolicyError, EvalError, FileNotFoundError) as exc:
+        print(f"pykvcache: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)
         return 2
 

