@@ -318,32 +318,30 @@ def plot(results: Dict[str, Any], out_dir: Path) -> List[Path]:
     for r in runs:
         if r["budget_frac"] == frac and r.get("budgets"):
             ax.plot(r["budgets"], marker=".", label=r["policy"])
-    ax.set_xlabel("layer")
-    ax.set_ylabel("tokens kept")
-    ax.set_title(f"per-layer budgets at {frac:.0%} of the prompt")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "layer_budgets.png")
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, "layer", "tokens kept", f"per-layer budgets at {frac:.0%} of the prompt",
+                         out_dir / "layer_budgets.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(np.array(full["bytes_trace"]) / 2**20, label="full", color="k")
     for r in runs:
         if r["budget_frac"] == frac:
             ax.plot(np.array(r["bytes_trace"]) / 2**20, label=r["policy"])
-    ax.set_xlabel("generated token")
-    ax.set_ylabel("KV MiB (ggml buffers)")
-    ax.set_title(f"KV bytes over a generation, budget {frac:.0%}")
     ax.set_ylim(bottom=0)
+    paths.append(_finish(plt, fig, ax, "generated token", "KV MiB (ggml buffers)",
+                         f"KV bytes over a generation, budget {frac:.0%}", out_dir / "kv_bytes_generation.png"))
+    return paths
+
+
+def _finish(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out_dir / "kv_bytes_generation.png")
-    fig.savefig(paths[-1], dpi=90)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-    return paths
+    return path
 
 
 def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
