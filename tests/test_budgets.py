@@ -65,7 +65,8 @@ def test_impossible_bounds_are_reported():
 
 def test_policy_specs_round_trip():
     for pol in (SinkRecent(n_sink=2, n_recent=100), SnapKV(budget=300, window=16, pool=3), H2O(budget=0.1),
-                Pyramid(budget=200, slope=0.3), EntropyLayerBudget(budget=0.25, min_layer=32, max_layer=512)):
+                Pyramid(budget=200, slope=0.3), EntropyLayerBudget(budget=0.25, min_layer=32, max_layer=512),
+                SnapKV(budget=64, guide=False), EntropyLayerBudget(budget=100, pool=1, guide=False)):
         assert parse_policy(pol.spec()) == pol
     assert parse_policy("entropy:budget=512").budget == 512
     assert parse_policy("snapkv").budget == 0.25
@@ -81,6 +82,8 @@ def test_policy_specs_round_trip():
     (dict(budget=512, min_layer=600), "min_layer .* is larger than the budget"),
     (dict(budget=512, topk_share=1.5), r"topk_share must be in \[0, 1\]"),
     (dict(budget=512, chunk=0), "chunk must be >= 1"),
+    (dict(budget=512, guide=2), "guide must be True or False"),
+    (dict(budget=512, pool=4), "pool must be an odd width"),
 ])
 def test_invalid_entropy_parameters(kwargs, reason):
     with pytest.raises(ValueError, match=reason):
@@ -98,3 +101,8 @@ def test_invalid_baseline_parameters():
         parse_policy("h2o:window=4")
     with pytest.raises(PolicyError, match="bad value for 'budget'"):
         parse_policy("entropy:budget=lots")
+    with pytest.raises(PolicyError, match="guide must be 0 or 1"):
+        parse_policy("snapkv:guide=3")
+    with pytest.raises(PolicyError, match="unknown key 'guide' for policy 'h2o'"):
+        parse_policy("h2o:guide=1")
+    assert parse_policy("entropy:guide=0").guide is False and EntropyLayerBudget().guide is True
