@@ -193,7 +193,8 @@ static std::string kvbench_default_model() {
         return env;
     }
     std::string res;
-    FILE * f = popen("python3 -c 'from pykvcache import default_model_path; print(default_model_path())' 2>/dev/null", "r");
+    // from /, so that a source checkout in the current folder does not shadow the installed package
+    FILE * f = popen("cd / && python3 -c 'from pykvcache import default_model_path; print(default_model_path())' 2>/dev/null", "r");
     if (f) {
         char buf[4096];
         while (fgets(buf, sizeof(buf), f)) {

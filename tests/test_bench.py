@@ -24,7 +24,7 @@ def kvbench(*args, model_path=None):
     cmd = [str(cli.kvbench_path()), "--no-progress", *args]
     if model_path:
         cmd += ["-m", model_path]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd="/")
 
 
 def test_kvbench_tiny_run_emits_valid_json_with_every_field(model_path):
@@ -79,7 +79,7 @@ def test_kvbench_help_documents_every_flag():
 def test_pykvcache_bench_wraps_kvbench(model_path):
     p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "bench", "-p", "32", "-n", "2", "-r", "1", "-t", "1",
                         "--policy", "h2o:budget=16,n_recent=8,chunk=16", "-o", "csv", "--random", "--no-progress", "-m",
-                        model_path], capture_output=True, text=True, timeout=300)
+                        model_path], capture_output=True, text=True, timeout=300, cwd="/")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("policy,label,spec,") and len(lines) == 3
