@@ -18,6 +18,8 @@ class KVPolicy:
 
     name: ClassVar[str] = ""
     type_id: ClassVar[int] = 0
+    observes: ClassVar[bool] = False  # records attention telemetry
+    retains: ClassVar[bool] = False   # keeps one budgeted KV cache per layer (evicts tokens)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -48,15 +50,6 @@ class KVPolicy:
         lib.llama_kvp_policy_to_string(self.to_native(), buf, 512)
         return ffi.string(buf).decode()
 
-    @property
-    def observes(self) -> bool:
-        """True if the policy records attention telemetry."""
-        return False
-
-    @property
-    def retains(self) -> bool:
-        """True if the policy keeps one budgeted KV cache per layer (evicts tokens)."""
-        return False
 
 
 @dataclass(frozen=True)
@@ -83,10 +76,7 @@ class Observe(KVPolicy):
     every: int = 0
     decay: float = 1.0
 
-    @property
-    def observes(self) -> bool:
-        """True if the policy records attention telemetry."""
-        return True
+    observes: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -98,15 +88,8 @@ class RetentionPolicy(KVPolicy):
     processed per step: each layer's cache holds budget + chunk cells, so long prompts run in bounded memory.
     """
 
-    @property
-    def observes(self) -> bool:
-        """True if the policy records attention telemetry."""
-        return True
-
-    @property
-    def retains(self) -> bool:
-        """True if the policy keeps one budgeted KV cache per layer (evicts tokens)."""
-        return True
+    observes: ClassVar[bool] = True
+    retains: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -120,10 +103,7 @@ class SinkRecent(RetentionPolicy):
     n_recent: int = 252
     chunk: int = 128
 
-    @property
-    def observes(self) -> bool:
-        """True if the policy records attention telemetry."""
-        return False
+    observes: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
