@@ -160,7 +160,8 @@ class EntropyLayerBudget(RetentionPolicy):
     attention entropy observed on the prompt, each layer within [min_layer, max_layer] (0: budget/4 and 2*budget).
     Each layer keeps one token set shared by its heads: `n_sink` sinks, the top `topk_share` of the rest by attention
     mass (heads and window queries aggregated, decayed by `decay` per observation, max-pooled over `pool` neighbouring
-    positions so that a whole span such as a number is kept), and the most recent tokens (at least `n_recent`). With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
+    positions so that a whole span such as a number is kept), and the most recent tokens (at least `n_recent`).
+    With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
