@@ -2,6 +2,8 @@
 //
 // Every policy runs in the same process on the same tokens; each figure is also given as a ratio to the full cache
 // (`full`, added first if not asked for) measured in the same run. KV bytes are read from the real ggml buffers.
+// A retention policy of mean layer budget B is also compared with its physical limit: the full cache decoding at
+// depth B (the same attention work), measured in the same run (`limit:d=B` rows, `x limit` column).
 //
 //     kvbench -p 4096 -n 128 -d 0,4096 --policy full --policy entropy:budget=0.1 -r 3 -t 2 -o md
 
@@ -39,6 +41,7 @@ struct kvbench_params {
     uint32_t                 seed     = 42;
     std::string              output   = "md";
     bool                     progress = true;
+    bool                     limit    = true; // measure the physical limit of the retention rows
     bool                     verbose  = false;
 };
 
@@ -70,6 +73,15 @@ struct kvbench_result {
     double tg_ratio = 0.0;
     double kv_ratio = 0.0;
     double peak_ratio = 0.0;
+
+    int32_t per_layer = 0; // llama_kvp_memory_info after the test: 1 for a retention policy (one KV cache per layer)
+    int32_t budget    = 0; // its resolved mean budget per layer (tokens)
+
+    // physical limit: the full cache decoding n_gen tokens at depth limit_depth (0: none)
+    int32_t limit_depth    = 0;
+    double  limit_tg_ts    = 0.0;
+    double  limit_tg_ts_sd = 0.0;
+    double  tg_limit_ratio = 0.0; // tg t/s / limit_tg_ts
 };
 
 static void kvbench_usage(const char * argv0) {
@@ -79,7 +91,8 @@ static void kvbench_usage(const char * argv0) {
     printf("  -h, --help                show this help and exit\n");
     printf("  -m, --model FNAME         GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1, found through\n");
     printf("                            $PYKVCACHE_MODEL or the installed pykvcache package)\n");
-    printf("  --policy SPEC             a policy spec, repeatable (e.g. full, snapkv:budget=0.25, entropy:budget=0.1);\n");
+    printf("  --policy SPEC             a policy spec, repeatable (e.g. full, snapkv:budget=0.25, entropy:budget=0.1,\n");
+    printf("                            snapkv:budget=0.1+entropy; listed below);\n");
     printf("                            'full' (llama.cpp's cache) is always run first, as the reference of the ratios\n");
     printf("                            (default: full, sink_recent, snapkv, h2o, pyramid, entropy at budget 0.25)\n");
     printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512)\n");
@@ -95,11 +108,20 @@ static void kvbench_usage(const char * argv0) {
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output md|json|csv  output format on stdout (default: md)\n");
+    printf("  --no-limit                do not measure the physical limit of the retention policies\n");
     printf("  --no-progress             do not print progress on stderr\n");
     printf("  -v, --verbose             show llama.cpp's log\n");
     printf("\nfigures: pp t/s and tg t/s (mean and sd over repetitions), KV bytes per layer and in total and their peak\n");
     printf("(from the ggml buffers), evicted cells per repetition, observation overhead (share of decode time that observing steps take\n");
     printf("beyond the median plain step of the policy, or of full if every step observes), and ratios to full.\n");
+    printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
+    printf("cache's decode speed at depth B (B tokens prefilled untimed, then n-gen tokens timed one by one, once per (B, n)\n");
+    printf("in the run): `limit:d=B` rows (md; \"limits\" in json) and `x limit` = tg t/s / the limit's tg t/s.\n");
+
+    const int32_t n = llama_kvp_policy_help(nullptr, 0);
+    std::vector<char> buf(n + 1);
+    llama_kvp_policy_help(buf.data(), buf.size());
+    printf("\npolicy specs, as in Python and the pykvcache CLI: %s", buf.data());
 }
 
 static std::vector<int32_t> kvbench_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
@@ -176,6 +198,8 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             if (params.output != "md" && params.output != "json" && params.output != "csv") {
                 throw std::invalid_argument(arg + ": expected md, json or csv, got '" + params.output + "'");
             }
+        } else if (arg == "--no-limit") {
+            params.limit = false;
         } else if (arg == "--no-progress") {
             params.progress = false;
         } else if (arg == "-v" || arg == "--verbose") {
@@ -208,6 +232,19 @@ static std::string kvbench_default_model() {
     return res;
 }
 
+// what a policy does, from the engine's own description
+static llama_kvp_policy_desc kvbench_describe(const llama_kvp_policy & pol) {
+    llama_kvp_policy_desc d = {};
+    llama_kvp_policy_describe(&pol, &d);
+    return d;
+}
+
+// the full cache: neither observes nor retains
+static bool kvbench_is_full(const llama_kvp_policy & pol) {
+    const llama_kvp_policy_desc d = kvbench_describe(pol);
+    return !d.observes && !d.retains;
+}
+
 // canonical name of a spec ("full" for the full cache)
 static std::string kvbench_spec(const std::string & spec, llama_kvp_policy & pol) {
     const std::string s = spec == "full" ? "none" : spec;
@@ -216,7 +253,7 @@ static std::string kvbench_spec(const std::string & spec, llama_kvp_policy & pol
     }
     char buf[512];
     llama_kvp_policy_to_string(&pol, buf, sizeof(buf));
-    return pol.type == LLAMA_KVP_POLICY_NONE ? "full" : buf;
+    return kvbench_is_full(pol) ? "full" : buf;
 }
 
 static void kvbench_mean_sd(const std::vector<double> & v, double & mean, double & sd) {
@@ -320,8 +357,9 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                              const kvbench_params & params, kvbench_result & r) {
     const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
     const int32_t n_vocab = llama_vocab_n_tokens(vocab);
-    const bool retains = pol.type >= LLAMA_KVP_POLICY_SINK_RECENT;
-    const bool guided  = retains && pol.guide;
+    const llama_kvp_policy_desc desc = kvbench_describe(pol);
+    const bool retains = desc.retains != 0;
+    const bool guided  = desc.guides  != 0;
 
     struct llama_kvp_memory_info mi0 = {};
     llama_kvp_memory_info(ctx, &mi0);
@@ -407,6 +445,45 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     r.kv_bytes      = mi.bytes;
     r.kv_bytes_peak = mi.bytes_peak;
     r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
+    r.per_layer     = mi.per_layer;
+    r.budget        = mi.budget;
+}
+
+// depth of the physical limit of a row: its mean layer budget, at most the tokens it has before decoding (-1: none)
+static int32_t kvbench_limit_depth(const kvbench_result & r) {
+    if (r.per_layer != 1 || r.n_gen <= 0) {
+        return -1;
+    }
+    return std::min(r.budget, r.n_depth + r.n_prompt);
+}
+
+// measures, with the full cache's context, the physical limits of rows[i0..] not measured yet (once per (depth, n_gen))
+static void kvbench_run_limits(llama_context * ctx_full, const std::vector<kvbench_result> & rows, size_t i0,
+                               const std::vector<llama_token> & tokens, const kvbench_params & params, std::vector<kvbench_result> & limits) {
+    const llama_kvp_policy pol = llama_kvp_policy_default(LLAMA_KVP_POLICY_NONE);
+    for (size_t i = i0; i < rows.size(); ++i) {
+        const kvbench_result & row = rows[i];
+        const int32_t d = kvbench_limit_depth(row);
+        if (d < 0) {
+            continue;
+        }
+        bool done = false;
+        for (const auto & l : limits) {
+            done = done || (l.n_depth == d && l.n_gen == row.n_gen);
+        }
+        if (done) {
+            continue;
+        }
+        kvbench_result l;
+        l.policy   = "full";
+        l.label    = "limit:d=" + std::to_string(d);
+        l.spec     = "full";
+        l.n_prompt = 0;
+        l.n_gen    = row.n_gen;
+        l.n_depth  = d;
+        kvbench_run_test(ctx_full, pol, tokens, params, l);
+        limits.push_back(std::move(l));
+    }
 }
 
 //
@@ -435,51 +512,75 @@ static std::string kvbench_json_list(const std::vector<T> & v) {
     return os.str();
 }
 
-static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results) {
+static void kvbench_print_json_row(const kvbench_result & r, bool last) {
+    double pp, pp_sd, tg, tg_sd;
+    kvbench_mean_sd(r.pp_ts, pp, pp_sd);
+    kvbench_mean_sd(r.tg_ts, tg, tg_sd);
+    printf("    {\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d,\n",
+            kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
+            r.n_prompt, r.n_gen, r.n_depth);
+    printf("     \"pp_ts\": %.3f, \"pp_ts_sd\": %.3f, \"pp_samples\": %s, \"tg_ts\": %.3f, \"tg_ts_sd\": %.3f, \"tg_samples\": %s,\n",
+            pp, pp_sd, kvbench_json_list(r.pp_ts).c_str(), tg, tg_sd, kvbench_json_list(r.tg_ts).c_str());
+    printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
+            r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
+    printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
+    printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
+            r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
+    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.4f}%s\n",
+            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, last ? "" : ",");
+}
+
+// limits: the physical limit measurements (full cache at depth B), after the rows
+static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
+                          const std::vector<kvbench_result> & limits) {
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
                 kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps);
         printf("  \"tokens\": %s,\n  \"results\": [\n", kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
-            const auto & r = results[i];
-            double pp, pp_sd, tg, tg_sd;
-            kvbench_mean_sd(r.pp_ts, pp, pp_sd);
-            kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("    {\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d,\n",
-                    kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
-                    r.n_prompt, r.n_gen, r.n_depth);
-            printf("     \"pp_ts\": %.3f, \"pp_ts_sd\": %.3f, \"pp_samples\": %s, \"tg_ts\": %.3f, \"tg_ts_sd\": %.3f, \"tg_samples\": %s,\n",
-                    pp, pp_sd, kvbench_json_list(r.pp_ts).c_str(), tg, tg_sd, kvbench_json_list(r.tg_ts).c_str());
-            printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
-                    r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
-            printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
-            printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f}%s\n",
-                    r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio, i + 1 < results.size() ? "," : "");
+            kvbench_print_json_row(results[i], i + 1 == results.size());
+        }
+        printf("  ],\n  \"limits\": [\n");
+        for (size_t i = 0; i < limits.size(); ++i) {
+            kvbench_print_json_row(limits[i], i + 1 == limits.size());
         }
         printf("  ]\n}\n");
         return;
     }
     if (params.output == "csv") {
-        printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio\n");
+        printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
+               "limit_depth,limit_tg_ts,tg_limit_ratio\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f\n",
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
-                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
+                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio,
+                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio);
         }
         return;
     }
-    printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | obs ovh |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
         double pp, pp_sd, tg, tg_sd;
         kvbench_mean_sd(r.pp_ts, pp, pp_sd);
         kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %.1f%% |\n",
+        char x_limit[32] = "-";
+        if (r.tg_limit_ratio > 0.0) {
+            snprintf(x_limit, sizeof(x_limit), "%.2f", r.tg_limit_ratio);
+        }
+        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %s | %.1f%% |\n",
                 r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
-                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, 100.0*r.obs_overhead);
+                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, x_limit, 100.0*r.obs_overhead);
+    }
+    // the references of `x limit`: the full cache decoding at depth B, nothing timed but the decode steps
+    for (const auto & l : limits) {
+        double tg, tg_sd;
+        kvbench_mean_sd(l.tg_ts, tg, tg_sd);
+        printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - |\n",
+                l.label.c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
     }
 }
 
@@ -517,13 +618,13 @@ int main(int argc, char ** argv) {
         for (const auto & s : params.policies) {
             llama_kvp_policy p = {};
             const std::string spec = kvbench_spec(s, p);
-            has_full = has_full || p.type == LLAMA_KVP_POLICY_NONE;
-            pols.push_back({ p.type == LLAMA_KVP_POLICY_NONE ? "full" : s, spec, p });
+            has_full = has_full || kvbench_is_full(p);
+            pols.push_back({ kvbench_is_full(p) ? "full" : s, spec, p });
         }
         if (!has_full) {
             pols.insert(pols.begin(), { "full", "full", llama_kvp_policy_default(LLAMA_KVP_POLICY_NONE) });
         }
-        std::stable_partition(pols.begin(), pols.end(), [](const auto & x) { return x.pol.type == LLAMA_KVP_POLICY_NONE; });
+        std::stable_partition(pols.begin(), pols.end(), [](const auto & x) { return kvbench_is_full(x.pol); });
     } catch (const std::exception & e) {
         fprintf(stderr, "kvbench: %s\n", e.what());
         return 1;
@@ -580,6 +681,8 @@ int main(int argc, char ** argv) {
     }
 
     std::vector<kvbench_result> results;
+    std::vector<kvbench_result> limits;    // physical limits, one per (depth, n_gen)
+    llama_context * ctx_full = nullptr;    // the full cache's context, kept for the limits
     int rc = 0;
     for (const auto & kp : pols) {
         const std::string     & name = kp.label;
@@ -591,7 +694,7 @@ int main(int argc, char ** argv) {
         cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
         cparams.n_threads       = params.n_threads;
         cparams.n_threads_batch = params.n_threads;
-        if (pol.type != LLAMA_KVP_POLICY_NONE && llama_kvp_set_pending(&pol) != 0) {
+        if (!kvbench_is_full(pol) && llama_kvp_set_pending(&pol) != 0) {
             fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
             rc = 1;
             break;
@@ -603,6 +706,7 @@ int main(int argc, char ** argv) {
             rc = 1;
             break;
         }
+        const size_t i_first = results.size();
         try {
             for (int32_t d : params.n_depth) {
                 for (int32_t p : params.n_prompt) {
@@ -623,10 +727,26 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
             rc = 1;
         }
-        llama_free(ctx);
+        if (rc == 0 && params.limit && !ctx_full && kvbench_is_full(pol)) {
+            ctx_full = ctx;
+        } else {
+            llama_free(ctx);
+        }
+        if (rc == 0 && ctx_full) {
+            // right after the policy's rows, on the same machine state
+            try {
+                kvbench_run_limits(ctx_full, results, i_first, tokens, params, limits);
+            } catch (const std::exception & e) {
+                fprintf(stderr, "kvbench: physical limit of %s: %s\n", name.c_str(), e.what());
+                rc = 1;
+            }
+        }
         if (rc != 0) {
             break;
         }
+    }
+    if (ctx_full) {
+        llama_free(ctx_full);
     }
     llama_model_free(model);
     if (rc != 0) {
@@ -658,6 +778,21 @@ int main(int argc, char ** argv) {
             break;
         }
     }
-    kvbench_print(params, params.model, results);
+    // ratios to the physical limit (the full cache at depth B)
+    for (auto & r : results) {
+        const int32_t d = kvbench_limit_depth(r);
+        for (const auto & l : limits) {
+            if (d < 0 || l.n_depth != d || l.n_gen != r.n_gen) {
+                continue;
+            }
+            double tg, sd;
+            kvbench_mean_sd(r.tg_ts, tg, sd);
+            r.limit_depth = d;
+            kvbench_mean_sd(l.tg_ts, r.limit_tg_ts, r.limit_tg_ts_sd);
+            r.tg_limit_ratio = r.limit_tg_ts > 0 ? tg/r.limit_tg_ts : 0.0;
+            break;
+        }
+    }
+    kvbench_print(params, params.model, results, limits);
     return 0;
 }

@@ -5,18 +5,19 @@ Import pykvcache before llama_cpp: it points llama_cpp at its patched libllama.
 
 from ._native import NativeLibraryError
 from .llama import Llama, default_model_path
-from .policies import (
-    H2O,
-    EntropyLayerBudget,
-    FullCache,
-    KVPolicy,
-    Observe,
-    PolicyError,
-    Pyramid,
-    RetentionPolicy,
-    SinkRecent,
-    SnapKV,
-    parse_policy,
+from .policies import Composed, KVPolicy, Policy, PolicyError, Stage, parse_policy, policy_help
+from .presets import H2O, EntropyLayerBudget, FullCache, Observe, Pyramid, RetentionPolicy, SinkRecent, SnapKV
+from .stages import (
+    AccumulatedScore,
+    DensePrefill,
+    DropFate,
+    EntropyBudget,
+    EverySchedule,
+    PromptSchedule,
+    PyramidBudget,
+    RecencyScore,
+    UniformBudget,
+    WindowScore,
 )
 from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
 
@@ -24,7 +25,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Llama",
+    "Policy",
     "KVPolicy",
+    "Stage",
+    "Composed",
     "FullCache",
     "Observe",
     "RetentionPolicy",
@@ -33,9 +37,20 @@ __all__ = [
     "H2O",
     "Pyramid",
     "EntropyLayerBudget",
+    "UniformBudget",
+    "PyramidBudget",
+    "EntropyBudget",
+    "RecencyScore",
+    "WindowScore",
+    "AccumulatedScore",
+    "PromptSchedule",
+    "EverySchedule",
+    "DropFate",
+    "DensePrefill",
     "PolicyError",
     "NativeLibraryError",
     "parse_policy",
+    "policy_help",
     "default_model_path",
     "KVStats",
     "KVTelemetry",

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import List, Optional
 
 POLICY_HELP = (
-    "KV policy spec, e.g. 'observe:window=32,every=4' or 'none' (llama.cpp's full cache). "
-    "observe keys: window (queries observed, default 32), every (also observe every N decode steps, 0 = prompt "
-    "only), decay (accumulated-mass factor, default 1)"
+    "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
+    "'snapkv:budget=0.1+entropy' or 'none' (llama.cpp's full cache); `pykvcache policies` lists the presets and stages"
 )
 
 
@@ -51,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Process a prompt with an observing policy and report attention entropy and mass.")
     _add_common(t, "observe")
     t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
+
+    sub.add_parser("policies", help="list the policy presets and stages with their keys",
+                   description="Lists the presets and the stages a policy spec composes, with the keys of each.")
 
     sub.add_parser("bench", add_help=False, help="run kvbench (speed and KV memory per policy); see `pykvcache bench --help`",
                    description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
@@ -223,6 +225,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_generate(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "policies":
+            from .policies import policy_help
+
+            print(policy_help(), end="")
+            return 0
         return cmd_telemetry(args)
     except (PolicyError, EvalError, FileNotFoundError) as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)

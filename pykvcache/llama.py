@@ -10,7 +10,7 @@ import numpy as np
 
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
-from .policies import KVPolicy, PolicyError, as_policy, from_native
+from .policies import Policy, PolicyError, as_policy, from_native
 from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
 
 llama_cpp = import_llama_cpp()
@@ -35,7 +35,7 @@ class Llama(llama_cpp.Llama):
         PolicyError: The policy has invalid parameters or cannot run on this model or context.
     """
 
-    def __init__(self, model_path: Optional[str] = None, *args: Any, kv_policy: "KVPolicy | str | None" = None,
+    def __init__(self, model_path: Optional[str] = None, *args: Any, kv_policy: "Policy | str | None" = None,
                  **kwargs: Any) -> None:
         if model_path is None:
             model_path = default_model_path()
@@ -66,14 +66,14 @@ class Llama(llama_cpp.Llama):
             super().close()
 
     @property
-    def kv_policy(self) -> Optional[KVPolicy]:
+    def kv_policy(self) -> Optional[Policy]:
         """The policy running this context's KV cache (None: llama.cpp's own cache)."""
         return self._kv_policy
 
     def _native_ctx(self) -> Any:
         return ctx_pointer(self._ctx.ctx)
 
-    def native_policy(self) -> KVPolicy:
+    def native_policy(self) -> Policy:
         """The policy as the native context holds it."""
         ffi, lib = native()
         p = ffi.new("struct llama_kvp_policy *")
@@ -105,7 +105,7 @@ class Llama(llama_cpp.Llama):
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
             if lib.llama_kvp_set_prompt_len(self._native_ctx(), len(tokens)) != 0:
                 raise PolicyError(last_error())
-        if pol is not None and getattr(pol, "guide", False) and len(tokens) > 1 and not self._logits_all:
+        if pol is not None and pol.guides and len(tokens) > 1 and not self._logits_all:
             # question-guided prefill: every chunk but the last is scored by the prompt's end run behind it
             _, lib = native()
             self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)

@@ -1,220 +1,248 @@
-"""KV-cache policies: plain dataclasses, validated by the native engine, parsed from specs like `observe:window=32`."""
+"""KV-cache policies: presets and stages as small dataclasses that compose, with one spec grammar.
+
+A policy is a composition of stages, one per slot (budget, score, schedule, fate, prefill). The presets (`SnapKV`,
+`EntropyLayerBudget`, ...) are named compositions; `preset + stage` replaces the preset's stage in that slot:
+
+    SnapKV(budget=0.1) + EntropyBudget(min_layer=64)    # spec "snapkv:budget=0.1+entropy:min_layer=64"
+
+The spec grammar is parsed and validated by the native engine (shared with the CLI and kvbench); `spec()` returns
+the canonical string, which parses back to an equal policy.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Dict, Type
+from typing import Any, ClassVar, Dict, Tuple, Type
 
 from ._native import last_error, native
+
+SLOTS = ("budget", "score", "schedule", "fate", "prefill")
 
 
 class PolicyError(ValueError):
     """A policy has invalid parameters, or cannot run on the given model or context."""
 
 
-@dataclass(frozen=True)
-class KVPolicy:
-    """Base of all policies: `name` is the spec name, the fields are the spec keys."""
-
-    name: ClassVar[str] = ""
-    type_id: ClassVar[int] = 0
-    observes: ClassVar[bool] = False  # records attention telemetry
-    retains: ClassVar[bool] = False   # keeps one budgeted KV cache per layer (evicts tokens)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
-                raise PolicyError(f"{self.name}: {f.name} must be an integer (got {value!r})")
-            if f.type in ("float", float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise PolicyError(f"{self.name}: {f.name} must be a number (got {value!r})")
-            if f.type in ("bool", bool) and value not in (True, False):
-                raise PolicyError(f"{self.name}: {f.name} must be True or False (got {value!r})")
-        self.to_native()  # the native engine validates the values
-
-    def to_native(self) -> Any:
-        """Return the native `struct llama_kvp_policy` of this policy (validated)."""
-        ffi, lib = native()
-        p = ffi.new("struct llama_kvp_policy *", lib.llama_kvp_policy_default(self.type_id))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            setattr(p, f.name, int(value) if isinstance(value, bool) else value)
-        if lib.llama_kvp_policy_validate(p) != 0:
-            raise PolicyError(last_error())
-        return p
-
-    def spec(self) -> str:
-        """Return the canonical spec string, e.g. `observe:window=32,every=0,decay=1`."""
-        ffi, lib = native()
-        buf = ffi.new("char[]", 512)
-        lib.llama_kvp_policy_to_string(self.to_native(), buf, 512)
-        return ffi.string(buf).decode()
+def _check_field_types(owner: str, obj: Any) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        kind = str(f.type)
+        if value is None and "Optional" in kind:
+            continue
+        if "int" in kind and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PolicyError(f"{owner}: {f.name} must be an integer (got {value!r})")
+        if "float" in kind and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise PolicyError(f"{owner}: {f.name} must be a number (got {value!r})")
+        if "bool" in kind and value not in (True, False):
+            raise PolicyError(f"{owner}: {f.name} must be True or False (got {value!r})")
 
 
-
-@dataclass(frozen=True)
-class FullCache(KVPolicy):
-    """The full KV cache of llama.cpp, untouched (the baseline every policy is compared against)."""
-
-    name: ClassVar[str] = "none"
-    type_id: ClassVar[int] = 0
-
-
-@dataclass(frozen=True)
-class Observe(KVPolicy):
-    """Full cache plus in-graph attention observation of the last `window` queries.
-
-    window: queries observed (the last `window` positions of the sequence)
-    every:  also observe every `every` single-token decode steps (0: prompt batches only)
-    decay:  factor of the accumulated mass at each observation (1: plain sum)
-    """
-
-    name: ClassVar[str] = "observe"
-    type_id: ClassVar[int] = 1
-
-    window: int = 32
-    every: int = 0
-    decay: float = 1.0
-
-    observes: ClassVar[bool] = True
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else str(value)
+    return str(value)
 
 
-@dataclass(frozen=True)
-class RetentionPolicy(KVPolicy):
-    """Base of the policies that give each layer its own KV cache sized to a budget and evict tokens from it.
-
-    `budget` is the mean number of tokens each layer keeps (sinks and recent window included): a count >= 1, or a
-    fraction in (0, 1) of the prompt (of n_ctx before the first prompt). `chunk` is the number of prompt tokens
-    processed per step: each layer's cache holds budget + chunk cells, so long prompts run in bounded memory.
-    """
-
-    observes: ClassVar[bool] = True
-    retains: ClassVar[bool] = True
+def _part(name: str, obj: Any) -> str:
+    items = [f"{f.name}={_format_value(getattr(obj, f.name))}" for f in fields(obj) if getattr(obj, f.name) is not None]
+    return name + (":" + ",".join(items) if items else "")
 
 
-@dataclass(frozen=True)
-class SinkRecent(RetentionPolicy):
-    """StreamingLLM: every layer keeps the first `n_sink` and the last `n_recent` tokens."""
-
-    name: ClassVar[str] = "sink_recent"
-    type_id: ClassVar[int] = 2
-
-    n_sink: int = 4
-    n_recent: int = 252
-    chunk: int = 128
-
-    observes: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class SnapKV(RetentionPolicy):
-    """SnapKV-style: a uniform budget; top-k by the attention of the last `window` queries, average-pooled over
-    `pool` neighbouring positions; the window itself is kept. Scores are refreshed every `every` decode steps. With
-    `guide`, each prompt chunk is scored by the prompt's last `window` tokens run behind it (as SnapKV scores a whole
-    prompt by its end), not by the chunk's own end."""
-
-    name: ClassVar[str] = "snapkv"
-    type_id: ClassVar[int] = 3
-
-    budget: float = 0.25
-    window: int = 32
-    pool: int = 5
-    every: int = 16
-    chunk: int = 128
-    guide: bool = True
-
-
-@dataclass(frozen=True)
-class H2O(RetentionPolicy):
-    """H2O-style: a uniform budget; heavy hitters by attention accumulated over every step, plus `n_recent`."""
-
-    name: ClassVar[str] = "h2o"
-    type_id: ClassVar[int] = 4
-
-    budget: float = 0.25
-    n_recent: int = 32
-    every: int = 1
-    chunk: int = 128
-
-
-@dataclass(frozen=True)
-class Pyramid(RetentionPolicy):
-    """PyramidKV-style: fixed layer budgets decreasing linearly from budget*(1+slope) to budget*(1-slope), with
-    SnapKV scores (prompt chunks guided by the prompt's end, see `SnapKV`)."""
-
-    name: ClassVar[str] = "pyramid"
-    type_id: ClassVar[int] = 5
-
-    budget: float = 0.25
-    slope: float = 0.5
-    window: int = 32
-    pool: int = 5
-    every: int = 16
-    chunk: int = 128
-    guide: bool = True
-
-
-@dataclass(frozen=True)
-class EntropyLayerBudget(RetentionPolicy):
-    """Entropy-guided layer budgets: the total budget is split across layers in proportion to the mean per-head
-    attention entropy observed on the prompt, each layer within [min_layer, max_layer] (0: budget/4 and 2*budget).
-    Each layer keeps one token set shared by its heads: `n_sink` sinks, the top `topk_share` of the rest by attention
-    mass (heads and window queries aggregated, decayed by `decay` per observation, max-pooled over `pool` neighbouring
-    positions so that a whole span such as a number is kept), and the most recent tokens (at least `n_recent`).
-    With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
-
-    name: ClassVar[str] = "entropy"
-    type_id: ClassVar[int] = 6
-
-    budget: float = 0.25
-    min_layer: int = 0
-    max_layer: int = 0
-    n_sink: int = 4
-    n_recent: int = 16
-    topk_share: float = 0.5
-    window: int = 32
-    pool: int = 9
-    every: int = 16
-    decay: float = 0.5
-    chunk: int = 128
-    guide: bool = True
-
-
-POLICIES: Dict[int, Type[KVPolicy]] = {
-    cls.type_id: cls for cls in (FullCache, Observe, SinkRecent, SnapKV, H2O, Pyramid, EntropyLayerBudget)
-}
-
-
-def from_native(p: Any) -> KVPolicy:
-    """Build the dataclass of a native `struct llama_kvp_policy`."""
-    cls = POLICIES.get(int(p.type))
-    if cls is None:
-        raise PolicyError(f"unknown native policy type {p.type}")
-    kwargs = {f.name: getattr(p, f.name) for f in fields(cls)}
-    for f in fields(cls):
-        if f.type in ("bool", bool):
-            kwargs[f.name] = bool(kwargs[f.name])
-        if f.type in ("float", float):
-            x = round(float(kwargs[f.name]), 6)
-            kwargs[f.name] = int(x) if f.name == "budget" and x >= 1 else x
-    return cls(**kwargs)
-
-
-def parse_policy(spec: str) -> KVPolicy:
-    """Parse a policy spec such as `observe:window=32,every=4` (the parser is the native one, shared with kvbench)."""
-    if not isinstance(spec, str):
-        raise PolicyError(f"a policy spec must be a string (got {type(spec).__name__})")
+def _native_parse(spec: str) -> Any:
     ffi, lib = native()
     p = ffi.new("struct llama_kvp_policy *")
     if lib.llama_kvp_policy_parse(spec.encode(), p) != 0:
         raise PolicyError(last_error())
-    return from_native(p)
+    return p
 
 
-def as_policy(policy: "KVPolicy | str | None") -> "KVPolicy | None":
+def _native_str(p: Any) -> str:
+    ffi, lib = native()
+    n = lib.llama_kvp_policy_to_string(p, ffi.NULL, 0)
+    buf = ffi.new("char[]", n + 1)
+    lib.llama_kvp_policy_to_string(p, buf, n + 1)
+    return ffi.string(buf).decode()
+
+
+class Policy:
+    """What every policy (a preset, or a preset with replaced stages) offers."""
+
+    def raw_spec(self) -> str:
+        """Return the spec of this object as written (not yet canonical)."""
+        raise NotImplementedError
+
+    def to_native(self) -> Any:
+        """Return the native `struct llama_kvp_policy` of this policy (validated)."""
+        return _native_parse(self.raw_spec())
+
+    def spec(self) -> str:
+        """Return the canonical spec string, e.g. `observe:window=32,every=0,decay=1`."""
+        return _native_str(self.to_native())
+
+    def describe(self) -> Dict[str, Any]:
+        """Return the preset, the stage of each slot and the observes/retains/guides flags."""
+        ffi, lib = native()
+        d = ffi.new("struct llama_kvp_policy_desc *")
+        if lib.llama_kvp_policy_describe(self.to_native(), d) != 0:
+            raise PolicyError(last_error())
+        stages = {slot: ffi.string(d.stage[i]).decode() or None for i, slot in enumerate(SLOTS)}
+        return dict(preset=ffi.string(d.preset).decode(), stages=stages, observes=bool(d.observes),
+                    retains=bool(d.retains), guides=bool(d.guides))
+
+    @property
+    def observes(self) -> bool:
+        """Whether the policy computes in-graph attention observations (telemetry)."""
+        return self.describe()["observes"]
+
+    @property
+    def retains(self) -> bool:
+        """Whether the policy keeps one budgeted KV cache per layer (evicts tokens)."""
+        return self.describe()["retains"]
+
+    @property
+    def guides(self) -> bool:
+        """Whether prompt chunks are scored by the prompt's end run behind them (guided prefill)."""
+        return self.describe()["guides"]
+
+    def __add__(self, stage: "Stage") -> "Composed":
+        if not isinstance(stage, Stage):
+            return NotImplemented
+        return _build(Composed(self._base(), self._stages() + (stage,)).spec())
+
+    def _base(self) -> "KVPolicy":
+        raise NotImplementedError
+
+    def _stages(self) -> Tuple["Stage", ...]:
+        return ()
+
+
+@dataclass(frozen=True)
+class KVPolicy(Policy):
+    """Base of the presets: `name` is the spec name, the fields are the keys the preset exposes."""
+
+    name: ClassVar[str] = ""
+    type_id: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        _check_field_types(self.name, self)
+        self.to_native()  # the native engine validates the values
+
+    def raw_spec(self) -> str:
+        return _part(self.name, self)
+
+    def _base(self) -> "KVPolicy":
+        return self
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Base of the stages: `name` is the spec name, `slot` the slot it fills; unset keys (None) keep the preset's
+    value where the preset exposes the key, else the stage's default."""
+
+    name: ClassVar[str] = ""
+    slot: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        _check_field_types(self.name, self)
+
+    def raw_spec(self) -> str:
+        """Return this stage's part of a spec, e.g. `entropy:min_layer=64`."""
+        return _part(self.name, self)
+
+
+@dataclass(frozen=True)
+class Composed(Policy):
+    """A preset whose stages are replaced in some slots; kept in canonical form (the stages that differ)."""
+
+    preset: KVPolicy
+    stages: Tuple[Stage, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preset, KVPolicy):
+            raise PolicyError(f"a composition starts from a preset (got {type(self.preset).__name__})")
+        for s in self.stages:
+            if not isinstance(s, Stage):
+                raise PolicyError(f"only stages can be added to a policy (got {type(s).__name__})")
+        canonical = _native_str(_native_parse(self.raw_spec()))
+        preset, stages = _from_canonical(canonical)
+        object.__setattr__(self, "preset", preset)
+        object.__setattr__(self, "stages", stages)
+
+    def raw_spec(self) -> str:
+        return "+".join([self.preset.raw_spec()] + [s.raw_spec() for s in self.stages])
+
+    def _base(self) -> KVPolicy:
+        return self.preset
+
+    def _stages(self) -> Tuple[Stage, ...]:
+        return self.stages
+
+
+def _kwargs(cls: Type[Any], items: str) -> Dict[str, Any]:
+    kinds = {f.name: str(f.type) for f in fields(cls)}
+    res: Dict[str, Any] = {}
+    for item in filter(None, items.split(",")):
+        key, value = item.split("=", 1)
+        kind = kinds[key]
+        if "bool" in kind:
+            res[key] = value != "0"
+        elif "float" in kind:
+            x = float(value)
+            res[key] = int(x) if key == "budget" and x >= 1 else x
+        else:
+            res[key] = int(value)
+    return res
+
+
+def _from_canonical(spec: str) -> Tuple[KVPolicy, Tuple[Stage, ...]]:
+    from .presets import PRESETS
+    from .stages import STAGES
+
+    parts = spec.split("+")
+    name, _, items = parts[0].partition(":")
+    cls = PRESETS[name]
+    preset = cls(**_kwargs(cls, items))
+    stages = []
+    for part in parts[1:]:
+        name, _, items = part.partition(":")
+        scls = STAGES[name]
+        stages.append(scls(**_kwargs(scls, items)))
+    return preset, tuple(stages)
+
+
+def _build(spec: str) -> Policy:
+    preset, stages = _from_canonical(spec)
+    return Composed(preset, stages) if stages else preset
+
+
+def from_native(p: Any) -> Policy:
+    """Build the policy object of a native `struct llama_kvp_policy`."""
+    return _build(_native_str(p))
+
+
+def parse_policy(spec: str) -> Policy:
+    """Parse a policy spec such as `observe:window=32,every=4` or `snapkv:budget=0.1+entropy` (the native parser)."""
+    if not isinstance(spec, str):
+        raise PolicyError(f"a policy spec must be a string (got {type(spec).__name__})")
+    return from_native(_native_parse(spec))
+
+
+def as_policy(policy: "Policy | str | None") -> "Policy | None":
     """Accept a policy object, a spec string or None."""
-    if policy is None or isinstance(policy, KVPolicy):
+    if policy is None or isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
         return parse_policy(policy)
     raise PolicyError(f"kv_policy must be a KVPolicy, a spec string or None (got {type(policy).__name__})")
+
+
+def policy_help() -> str:
+    """Return the listing of the presets and stages with their keys (as `--help` prints it)."""
+    ffi, lib = native()
+    n = lib.llama_kvp_policy_help(ffi.NULL, 0)
+    buf = ffi.new("char[]", n + 1)
+    lib.llama_kvp_policy_help(buf, n + 1)
+    return ffi.string(buf).decode()

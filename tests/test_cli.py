@@ -23,7 +23,23 @@ def test_help():
     assert out.returncode == 0
     assert "generate" in out.stdout and "telemetry" in out.stdout
     out = run("generate", "--help")
-    assert "--policy" in out.stdout and "observe keys" in out.stdout
+    assert "--policy" in out.stdout and "+stage" in out.stdout and "pykvcache policies" in out.stdout
+
+
+def test_policies_lists_presets_and_stages():
+    out = run("policies")
+    assert out.returncode == 0
+    for name in ("snapkv", "entropy", "h2o", "sink_recent", "pyramid", "uniform", "window", "accumulated", "every",
+                 "drop", "dense"):
+        assert f"  {name} " in out.stdout
+    assert "keys: budget,min_layer,max_layer" in out.stdout
+
+
+def test_generate_with_a_composed_policy(tmp_path):
+    out = run("generate", "-p", PROMPT * 20, "-n", "8", "-c", "512", "--policy", "snapkv:budget=64,chunk=32+entropy",
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
 
 
 def test_generate_prints_text_and_kv_line(tmp_path):

@@ -21,11 +21,25 @@ public:
         }
     }
 
-    // the layer caches change between ubatches (eviction, reallocation): never reuse
+    // a graph is reused while no layer cache was reallocated and every layer covers as many cells as when it was
+    // built (n_kv is padded to 256 cells, so decode steps that fill the cells freed by eviction keep it)
     bool can_reuse(const llm_graph_params & params) override {
-        GGML_UNUSED(params);
-        return false;
+        const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(params.mctx);
+        if (!pctx || pctx->mem != mem || mem->n_resize != n_resize || pctx->n_layers() != per_layer.size()) {
+            return false;
+        }
+        bool res = true;
+        for (size_t ikv = 0; ikv < per_layer.size(); ++ikv) {
+            llm_graph_params lp = params;
+            lp.mctx = pctx->layer_ctx((int32_t) ikv);
+            res = per_layer[ikv]->can_reuse(lp) && res; // also points the layer input at the layer's new context
+        }
+        mctx = pctx->layer_ctx(0);
+        return res;
     }
+
+    const llama_kvp_memory * mem = nullptr;
+    int32_t n_resize = 0; // reallocations of the memory when the graph was built
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> per_layer; // by KV layer
     std::vector<int32_t> layer_of_il;                                // model layer -> KV layer
@@ -41,6 +55,8 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
 
     auto inp = std::make_unique<llama_kvp_attn_input>(gctx.hparams, gctx.cparams, pctx->layer_ctx(0));
     inp->layer_of_il = mem->layer_of_il;
+    inp->mem         = mem;
+    inp->n_resize    = mem->n_resize;
 
     ggml_context * ctx0 = gctx.ctx0;
     const auto & ubatch = gctx.ubatch;

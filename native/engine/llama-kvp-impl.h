@@ -39,12 +39,19 @@ void llama_kvp_set_error(const std::string & msg);
 // returns "" if the policy is valid, else the reason
 std::string llama_kvp_policy_check(const llama_kvp_policy & policy);
 
+// the canonical spec string
+std::string llama_kvp_policy_str(const llama_kvp_policy & policy);
+
+// the name of a preset
 const char * llama_kvp_policy_type_name(int32_t type);
 
-// one KV cache per layer, sized to a budget (sink_recent, snapkv, h2o, pyramid, entropy)
-bool llama_kvp_policy_is_retention(int32_t type);
+// has a budget stage: one KV cache per layer, sized to a budget
+bool llama_kvp_policy_retains(const llama_kvp_policy & policy);
 
-// tokens a retention policy always keeps (sinks + recent window)
+// has a score stage that needs the in-graph observation of attention
+bool llama_kvp_policy_observes(const llama_kvp_policy & policy);
+
+// tokens the score stage always keeps (sinks + recent window)
 int32_t llama_kvp_policy_n_protected(const llama_kvp_policy & policy);
 
 // the pending policy of this thread, without consuming it; false if none
@@ -111,14 +118,18 @@ struct llama_kvp_context {
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 
-    // the policy computes observations (every policy but none and sink_recent)
-    bool observing() const { return policy.type != LLAMA_KVP_POLICY_NONE && policy.type != LLAMA_KVP_POLICY_SINK_RECENT; }
+    // the policy computes observations (its score stage observes)
+    bool observing() const { return obs_on; }
+    bool obs_on = false;
 
     // the KV cache holding layer ikv
     llama_kv_cache * layer_kv(int32_t ikv) const;
 
     // does a graph for this ubatch (of a decode call split into n_ubatches) include the observation nodes?
     bool want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const;
+
+    // does that observation also compute the attention entropy
+    bool want_entropy(const llama_ubatch & ubatch, size_t n_ubatches) const;
 };
 
 // read access to the private parts of llama_kv_cache (a friend of it, see patch 0003)

@@ -5,6 +5,7 @@
 // tokens are moved with the cache's own state serialisation.
 
 #include "llama-kvp-memory.h"
+#include "llama-kvp-stage.h"
 
 #include "llama-arch.h"
 #include "llama-impl.h"
@@ -18,7 +19,7 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 1;
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 2; // 2: the stages of the policy follow the header
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -71,105 +72,6 @@ public:
 };
 
 //
-// budget allocation (pure)
-//
-
-int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
-                                   int32_t min_layer, int32_t max_layer, int32_t * out) {
-    if (!entropy || !out || n_layer <= 0) {
-        llama_kvp_set_error("allocate_budgets: need at least one layer and non-NULL arrays");
-        return -1;
-    }
-    if (min_layer < 0 || max_layer < min_layer) {
-        llama_kvp_set_error("allocate_budgets: need 0 <= min_layer <= max_layer (got " + std::to_string(min_layer) + ", " + std::to_string(max_layer) + ")");
-        return -1;
-    }
-    if (total < (int64_t) min_layer*n_layer || total > (int64_t) max_layer*n_layer) {
-        llama_kvp_set_error("allocate_budgets: a total of " + std::to_string(total) + " tokens cannot be split over " +
-                std::to_string(n_layer) + " layers within [" + std::to_string(min_layer) + ", " + std::to_string(max_layer) + "]");
-        return -1;
-    }
-
-    // weights: non-finite or negative entropies count as 0; all zero -> uniform
-    std::vector<double> w(n_layer);
-    double w_sum = 0.0;
-    for (int32_t l = 0; l < n_layer; ++l) {
-        w[l] = std::isfinite(entropy[l]) && entropy[l] > 0.0f ? entropy[l] : 0.0;
-        w_sum += w[l];
-    }
-    if (w_sum <= 0.0) {
-        std::fill(w.begin(), w.end(), 1.0);
-    }
-
-    // proportional shares with clamping: layers that hit a bound are fixed there and the rest is re-split
-    std::vector<double> share(n_layer, 0.0);
-    std::vector<bool>   fixed(n_layer, false);
-    for (int32_t iter = 0; iter <= n_layer; ++iter) {
-        double rest  = (double) total;
-        double w_free = 0.0;
-        for (int32_t l = 0; l < n_layer; ++l) {
-            if (fixed[l]) {
-                rest -= share[l];
-            } else {
-                w_free += w[l];
-            }
-        }
-        bool changed = false;
-        for (int32_t l = 0; l < n_layer; ++l) {
-            if (fixed[l]) {
-                continue;
-            }
-            share[l] = w_free > 0.0 ? rest*w[l]/w_free : 0.0;
-        }
-        // fix the worst violations of one side per round (all lows if the lows weigh more, else all highs)
-        double lo = 0.0;
-        double hi = 0.0;
-        for (int32_t l = 0; l < n_layer; ++l) {
-            if (!fixed[l] && share[l] < min_layer) { lo += min_layer - share[l]; }
-            if (!fixed[l] && share[l] > max_layer) { hi += share[l] - max_layer; }
-        }
-        for (int32_t l = 0; l < n_layer; ++l) {
-            if (fixed[l]) {
-                continue;
-            }
-            if (lo >= hi && lo > 0.0 && share[l] < min_layer) { share[l] = min_layer; fixed[l] = true; changed = true; }
-            if (hi >  lo && share[l] > max_layer)             { share[l] = max_layer; fixed[l] = true; changed = true; }
-        }
-        if (!changed) {
-            break;
-        }
-    }
-
-    // integer budgets: floors, then the largest remainders get the leftover tokens
-    int64_t sum = 0;
-    std::vector<std::pair<double, int32_t>> rem(n_layer);
-    for (int32_t l = 0; l < n_layer; ++l) {
-        const double s = std::min<double>(max_layer, std::max<double>(min_layer, share[l]));
-        out[l] = (int32_t) std::floor(s);
-        sum += out[l];
-        rem[l] = { s - out[l], l };
-    }
-    std::sort(rem.begin(), rem.end(), [](const auto & a, const auto & b) {
-        return a.first != b.first ? a.first > b.first : a.second < b.second;
-    });
-    for (size_t i = 0; sum < total && i < 4*rem.size() + 4; ++i) {
-        const int32_t l = rem[i % rem.size()].second;
-        if (out[l] < max_layer) {
-            out[l]++;
-            sum++;
-        }
-    }
-    for (size_t i = 0; sum > total && i < 4*rem.size() + 4; ++i) {
-        const int32_t l = rem[rem.size() - 1 - i % rem.size()].second;
-        if (out[l] > min_layer) {
-            out[l]--;
-            sum--;
-        }
-    }
-    return 0;
-}
-
-//
 // llama_kvp_memory
 //
 
@@ -197,11 +99,16 @@ llama_kvp_memory::llama_kvp_memory(
         }
     }
 
+    // the stages this memory runs (a retention policy has all four; checked by llama_kvp_policy_check)
+    stage_budget  = llama_kvp_budget_of(policy);
+    stage_score   = llama_kvp_score_of(policy);
+    stage_fate    = llama_kvp_fate_of(policy);
+    stage_prefill = llama_kvp_prefill_of(policy);
+    GGML_ASSERT(stage_budget && stage_score && stage_fate && stage_prefill);
+
     // a guided chunk and the prompt-end tokens behind it form one ubatch
-    if (policy.guide && policy.window > 0 && cparams.n_ubatch > (uint32_t) policy.window) {
-        n_guide = (uint32_t) policy.window;
-    }
-    chunk  = std::max<uint32_t>(1, std::min<uint32_t>(policy.chunk, cparams.n_ubatch - n_guide));
+    n_guide = stage_prefill->n_guide(policy, cparams.n_ubatch);
+    chunk   = stage_prefill->chunk(policy, cparams.n_ubatch);
     budget = resolve_budget(0);
 
     const auto b = fixed_budgets(budget);
@@ -215,39 +122,19 @@ llama_kvp_memory::llama_kvp_memory(
 
 uint32_t llama_kvp_memory::resolve_budget(int32_t n_prompt) const {
     const uint32_t n_ctx = cparams.n_ctx_seq;
-    double b;
-    if (policy.type == LLAMA_KVP_POLICY_SINK_RECENT) {
-        b = (double) policy.n_sink + policy.n_recent;
-    } else if (policy.budget >= 1.0f) {
-        b = policy.budget;
-    } else {
-        b = std::round((double) policy.budget*(n_prompt > 0 ? n_prompt : (int32_t) n_ctx));
-    }
-    // sink_recent keeps exactly its protected tokens; the others need room for at least one scored token
-    const double b_min = llama_kvp_policy_n_protected(policy) + (policy.type == LLAMA_KVP_POLICY_SINK_RECENT ? 0 : 1);
+    const double b = policy.budget >= 1.0f ? (double) policy.budget :
+        std::round((double) policy.budget*(n_prompt > 0 ? n_prompt : (int32_t) n_ctx));
+    // a budget of protected tokens only is exactly those; the others need room for at least one scored token
+    const double b_min = llama_kvp_policy_n_protected(policy) + (stage_score->protected_only() ? 0 : 1);
     return (uint32_t) std::min<double>(n_ctx, std::max(b, b_min));
 }
 
 std::vector<uint32_t> llama_kvp_memory::fixed_budgets(uint32_t mean) const {
-    const int32_t n = (int32_t) layers.size();
-    std::vector<uint32_t> res(n, mean);
-    if (policy.type != LLAMA_KVP_POLICY_PYRAMID || n < 2) {
-        return res;
-    }
-    // linear from mean*(1+slope) at the first layer to mean*(1-slope) at the last, same total
-    std::vector<float>   w(n);
-    std::vector<int32_t> out(n);
-    for (int32_t l = 0; l < n; ++l) {
-        w[l] = 1.0f + policy.slope*(1.0f - 2.0f*l/(n - 1));
-    }
-    const int32_t lo = std::min<int32_t>(mean, llama_kvp_policy_n_protected(policy) + 1);
-    const int32_t hi = (int32_t) cparams.n_ctx_seq;
-    if (llama_kvp_allocate_budgets(w.data(), n, (int64_t) mean*n, lo, std::max<int32_t>(hi, mean), out.data()) == 0) {
-        for (int32_t l = 0; l < n; ++l) {
-            res[l] = (uint32_t) out[l];
-        }
-    }
-    return res;
+    return stage_budget->initial(policy, mean, (int32_t) layers.size(), layer_lo(), cparams.n_ctx_seq);
+}
+
+uint32_t llama_kvp_memory::layer_lo() const {
+    return (uint32_t) llama_kvp_policy_n_protected(policy) + 1;
 }
 
 uint32_t llama_kvp_memory::capacity_for(uint32_t layer_budget) const {
@@ -308,24 +195,19 @@ bool llama_kvp_memory::set_prompt_len(int32_t n) {
 void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
     const int32_t n = (int32_t) layers.size();
 
-    // entropy policy: (re)decide the layer budgets whenever a prompt ubatch was observed, from the mean entropy of
-    // the prompt observations so far (decode-step observations refresh scores, not budgets)
-    if (policy.type == LLAMA_KVP_POLICY_ENTROPY && st) {
+    // budgets decided from the attention entropy: (re)decided whenever a prompt ubatch was observed, from the mean
+    // entropy of the prompt observations so far (decode-step observations refresh scores, not budgets)
+    if (stage_budget->uses_entropy() && st) {
         std::vector<float> ent(n);
-        if (llama_kvp_obs_take_prompt_entropy(st, ent.data())) {
-            const int32_t lo = policy.min_layer > 0 ? policy.min_layer :
-                std::max<int32_t>(llama_kvp_policy_n_protected(policy) + 1, budget/4);
-            const int32_t hi = policy.max_layer > 0 ? policy.max_layer : (int32_t) std::min<uint32_t>(2*budget, cparams.n_ctx_seq);
-            std::vector<int32_t> out(n);
-            if (llama_kvp_allocate_budgets(ent.data(), n, (int64_t) budget*n, std::min<int32_t>(lo, budget),
-                        std::max<int32_t>(hi, budget), out.data()) == 0) {
-                for (int32_t i = 0; i < n; ++i) {
-                    layers[i].budget  = (uint32_t) out[i];
-                    layers[i].entropy = ent[i];
-                }
-                budgets_set = true;
-                n_budget++;
+        std::vector<uint32_t> out;
+        if (llama_kvp_obs_take_prompt_entropy(st, ent.data()) &&
+            stage_budget->from_entropy(policy, ent.data(), n, budget, layer_lo(), cparams.n_ctx_seq, out)) {
+            for (int32_t i = 0; i < n; ++i) {
+                layers[i].budget  = out[i];
+                layers[i].entropy = ent[i];
             }
+            budgets_set = true;
+            n_budget++;
         }
     }
 
@@ -348,8 +230,7 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     llama_kv_cache & kv = *L.kv;
 
     // the layer's tokens in position order
-    struct cell { llama_pos pos; uint32_t idx; float score; };
-    std::vector<cell> cells;
+    std::vector<llama_kvp_cell> cells;
     const uint32_t size = kv.get_size();
     cells.reserve(size);
     for (uint32_t i = 0; i < size; ++i) {
@@ -362,69 +243,33 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     if (n <= n_keep) {
         return;
     }
-    std::sort(cells.begin(), cells.end(), [](const cell & a, const cell & b) { return a.pos < b.pos; });
+    std::sort(cells.begin(), cells.end(), [](const llama_kvp_cell & a, const llama_kvp_cell & b) { return a.pos < b.pos; });
 
-    // protected tokens: the first n_sink and the last n_recent
+    // protected tokens: the first n_sink and the last n_recent (the score stage decides how many)
     uint32_t n_sink   = 0;
     uint32_t n_recent = 0;
-    switch (policy.type) {
-        case LLAMA_KVP_POLICY_SINK_RECENT:
-            n_sink   = policy.n_sink;
-            n_recent = policy.n_recent;
-            break;
-        case LLAMA_KVP_POLICY_SNAPKV:
-        case LLAMA_KVP_POLICY_PYRAMID:
-            n_recent = policy.window;
-            break;
-        case LLAMA_KVP_POLICY_H2O:
-            n_recent = policy.n_recent;
-            break;
-        case LLAMA_KVP_POLICY_ENTROPY:
-            {
-                n_sink = policy.n_sink;
-                const uint32_t rest = L.budget > n_sink ? L.budget - n_sink : 0;
-                const uint32_t topk = (uint32_t) std::lround(policy.topk_share*rest);
-                n_recent = std::max<uint32_t>(policy.n_recent, rest - std::min(rest, topk));
-            } break;
-        default:
-            break;
-    }
+    stage_score->protect(policy, L.budget, n_sink, n_recent);
     n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
     n_sink   = std::min(n_sink, n_keep - n_recent);
 
-    // scores of the middle tokens: accumulated observed mass (0 for a token not observed yet)
+    // scores of the middle tokens: the score stage's view of the accumulated observed mass (0 for a token not
+    // observed yet)
     const uint32_t i0 = n_sink;
     const uint32_t i1 = n - n_recent;
     const uint32_t n_topk = n_keep - n_sink - n_recent;
-    if (n_topk > 0 && st && policy.type != LLAMA_KVP_POLICY_SINK_RECENT) {
+    if (n_topk > 0 && st && stage_score->observes()) {
         std::vector<float> acc;
         std::vector<llama_pos> obs_pos;
         llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
         for (auto & c : cells) {
             c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
         }
-        if (policy.pool > 1 && i1 > i0) {
-            // pooling over neighbouring positions: average (SnapKV), or max for the entropy policy, which keeps a
-            // whole span (a number, a name) around a token the window attends to
-            const bool    use_max = policy.type == LLAMA_KVP_POLICY_ENTROPY;
-            const int32_t r = policy.pool/2;
-            std::vector<float> pooled(n);
-            for (int32_t j = 0; j < (int32_t) n; ++j) {
-                const int32_t a = std::max<int32_t>(0, j - r);
-                const int32_t b = std::min<int32_t>(n - 1, j + r);
-                float s = 0.0f;
-                for (int32_t k = a; k <= b; ++k) {
-                    s = use_max ? std::max(s, cells[k].score) : s + cells[k].score;
-                }
-                pooled[j] = use_max ? s : s/(b - a + 1);
-            }
-            for (uint32_t j = 0; j < n; ++j) {
-                cells[j].score = pooled[j];
-            }
+        if (i1 > i0) {
+            stage_score->score(policy, cells);
         }
     }
 
-    // keep the n_topk best of the middle (ties: the newer token), evict the others
+    // keep the n_topk best of the middle (ties: the newer token); the others leave the layer (the fate stage)
     std::vector<uint32_t> mid;
     for (uint32_t j = i0; j < i1; ++j) {
         mid.push_back(j);
@@ -433,11 +278,13 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
         std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
             return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
         });
+        std::vector<uint32_t> leaving;
         for (size_t j = n_topk; j < mid.size(); ++j) {
-            llama_kvp_kv_access::cell_rm(kv, cells[mid[j]].idx);
-            L.n_evicted++;
-            n_evicted++;
+            leaving.push_back(cells[mid[j]].idx);
         }
+        stage_fate->leave(kv, leaving);
+        L.n_evicted += (int64_t) leaving.size();
+        n_evicted   += (int64_t) leaving.size();
     }
 }
 
@@ -615,6 +462,11 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
     const uint32_t hdr[6] = { LLAMA_KVP_STATE_MAGIC, LLAMA_KVP_STATE_VERSION, (uint32_t) policy.type, (uint32_t) layers.size(),
                               budget, (uint32_t) n_prompt };
     io.write(hdr, sizeof(hdr));
+    uint32_t stages[LLAMA_KVP_SLOT_COUNT];
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        stages[slot] = (uint32_t) policy.stage[slot];
+    }
+    io.write(stages, sizeof(stages));
     for (const auto & L : layers) {
         const uint32_t lb[2] = { L.budget, L.capacity };
         io.write(lb, sizeof(lb));
@@ -658,6 +510,16 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
                 "' on " + std::to_string(layers.size()) + " layers");
     }
     io.read(hdr + 4, 2*sizeof(uint32_t));
+    uint32_t stages[LLAMA_KVP_SLOT_COUNT];
+    io.read(stages, sizeof(stages));
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        if (stages[slot] != (uint32_t) policy.stage[slot]) {
+            const llama_kvp_stage * saved = llama_kvp_stage_by_id((int32_t) stages[slot]);
+            const llama_kvp_stage * ours  = llama_kvp_stage_by_id(policy.stage[slot]);
+            throw std::runtime_error(std::string("pykvcache: this state was saved with the ") + llama_kvp_slot_name(slot) + " stage '" +
+                    (saved ? saved->name : "none") + "', this context has '" + (ours ? ours->name : "none") + "'");
+        }
+    }
     if (hdr[4] == 0 || hdr[4] > cparams.n_ctx_seq) {
         throw std::runtime_error("pykvcache: the saved budget " + std::to_string(hdr[4]) + " does not fit this context");
     }
@@ -696,7 +558,7 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
             llama_kvp_obs_layer_set_scores(st, (int32_t) i, scores);
         }
     }
-    budgets_set = policy.type == LLAMA_KVP_POLICY_ENTROPY;
+    budgets_set = stage_budget->uses_entropy();
 }
 
 //

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "llama-kvp-impl.h"
+#include "llama-kvp-stage.h"
 
 #include "llama-batch.h"
 #include "llama-cparams.h"
@@ -81,6 +82,12 @@ public:
 
     llama_kvp_context * st = nullptr; // the policy state of the owning context (set by llama_kvp_context_init)
 
+    // the stages of the policy
+    const llama_kvp_budget_stage  * stage_budget  = nullptr;
+    const llama_kvp_score_stage   * stage_score   = nullptr;
+    const llama_kvp_fate_stage    * stage_fate    = nullptr;
+    const llama_kvp_prefill_stage * stage_prefill = nullptr;
+
     std::vector<llama_kvp_mem_layer> layers;
     std::vector<int32_t>             layer_of_il; // model layer -> index into layers (-1: none)
 
@@ -101,10 +108,13 @@ private:
     uint32_t resolve_budget(int32_t n_prompt) const;
     void     set_budgets(const std::vector<uint32_t> & b); // also resizes the caches
 
-    // per-layer budgets of the fixed schedules (uniform, pyramid)
+    // per-layer budgets before anything is observed (the budget stage)
     std::vector<uint32_t> fixed_budgets(uint32_t mean) const;
 
     uint32_t capacity_for(uint32_t layer_budget) const;
+
+    // smallest useful layer budget: the protected tokens and one scored token
+    uint32_t layer_lo() const;
 
     std::unique_ptr<llama_kv_cache> make_cache(int32_t il, uint32_t size) const;
 
@@ -137,6 +147,8 @@ public:
     const llama_kv_cache_context * layer_ctx(int32_t ikv) const { return ctxs[ikv].get(); }
 
     size_t n_ubatches() const { return ubatches.size(); }
+
+    size_t n_layers() const { return ctxs.size(); }
 
     llama_kvp_memory * mem = nullptr;
 

@@ -20,6 +20,7 @@
 #include "llama-kv-cache.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kvp-memory.h"
+#include "llama-kvp-stage.h"
 #include "llama-model.h"
 
 #include <algorithm>
@@ -182,7 +183,7 @@ llama_memory_i * llama_kvp_create_memory(
         const llama_memory_params & params,
         const llama_cparams       & cparams) {
     llama_kvp_policy policy;
-    if (!llama_kvp_pending_peek(policy) || !llama_kvp_policy_is_retention(policy.type)) {
+    if (!llama_kvp_pending_peek(policy) || !llama_kvp_policy_retains(policy)) {
         return model.create_memory(params, cparams);
     }
 
@@ -240,8 +241,8 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
     const llama_kvp_policy policy = g_pending;
     g_pending_set = false; // consumed, also on failure
 
-    if (policy.type == LLAMA_KVP_POLICY_NONE) {
-        return nullptr;
+    if (!llama_kvp_policy_observes(policy) && !llama_kvp_policy_retains(policy)) {
+        return nullptr; // the full cache, nothing observed
     }
 
     const std::string pname = llama_kvp_policy_type_name(policy.type);
@@ -257,7 +258,7 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
 
     auto * mem = dynamic_cast<llama_kvp_memory *>(memory);
     auto * kv  = dynamic_cast<llama_kv_cache *>(memory);
-    if (llama_kvp_policy_is_retention(policy.type) && !mem) {
+    if (llama_kvp_policy_retains(policy) && !mem) {
         throw llama_kvp_fail("policy '" + pname + "' needs the per-layer KV memory, and this context has " + llama_kvp_memory_kind(memory));
     }
     if (!mem && !kv) {
@@ -278,6 +279,7 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
 
     auto st = std::make_unique<llama_kvp_context>(model);
     st->policy      = policy;
+    st->obs_on      = llama_kvp_policy_observes(policy);
     st->lctx        = lctx;
     st->kv          = mem ? nullptr : kv;
     st->mem         = mem;
@@ -382,7 +384,14 @@ bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches)
     if (obs_requested) {
         return true; // a single-token step that was asked to observe
     }
-    return policy.every > 0 && (n_decode + 1) % policy.every == 0;
+    const auto * schedule = llama_kvp_schedule_of(policy);
+    return schedule && schedule->observe_step(policy, n_decode);
+}
+
+bool llama_kvp_context::want_entropy(const llama_ubatch & ubatch, size_t n_ubatches) const {
+    // budgets and telemetry need it; the decode steps of a retention policy only refresh the scores (the mass),
+    // unless an observation was asked for
+    return want_obs(ubatch, n_ubatches) && (!mem || ubatch.n_tokens > 1 || n_ubatches > 1 || obs_requested);
 }
 
 //
@@ -400,8 +409,8 @@ struct llama_kvp_obs_cells {
 
 class llama_kvp_obs_input : public llm_graph_input_i {
 public:
-    llama_kvp_obs_input(llama_kvp_context * st, bool obs, int64_t n_tokens) :
-        st(st), obs(obs), n_tokens(n_tokens) {}
+    llama_kvp_obs_input(llama_kvp_context * st, bool obs, bool ent, int64_t n_tokens) :
+        st(st), obs(obs), ent(ent), n_tokens(n_tokens) {}
 
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
@@ -411,6 +420,7 @@ public:
     llama_kvp_context * st;
 
     const bool    obs;
+    const bool    ent; // the observation computes the entropy (not needed by the decode steps of a retention policy)
     const int64_t n_tokens;
 
     ggml_tensor * ring_idx  = nullptr; // I64 [n_write]           ring slots of the last n_write tokens
@@ -442,19 +452,21 @@ llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_
 }
 
 bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
-    if (st->mem) {
-        return false; // per-layer memory: the graphs are rebuilt for every ubatch
-    }
-    const auto * mctx = static_cast<const llama_kv_cache_context *>(params.mctx);
-    const bool obs_now = st->want_obs(params.ubatch, llama_kvp_kv_access::n_ubatches(params.mctx));
-    if (params.ubatch.n_tokens != n_tokens || obs_now != obs) {
+    const size_t n_ubatches = llama_kvp_kv_access::n_ubatches(params.mctx);
+    const bool obs_now = st->want_obs(params.ubatch, n_ubatches);
+    if (params.ubatch.n_tokens != n_tokens || obs_now != obs || st->want_entropy(params.ubatch, n_ubatches) != ent) {
         return false;
     }
+    // every set must cover as many cells of the same cache (the per-layer memory's input checks reallocations)
+    const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(params.mctx);
     for (const auto & c : sets) {
-        if ((int64_t) mctx->get_n_kv() != c.n_kv) {
+        const int32_t ikv = c.layers[0];
+        const llama_kv_cache_context * kctx = pctx ? pctx->layer_ctx(ikv) : static_cast<const llama_kv_cache_context *>(params.mctx);
+        if (c.kv != st->layer_kv(ikv) || (int64_t) kctx->get_n_kv() != c.n_kv) {
             return false;
         }
     }
+    st->n_steps_call = n_ubatches;
     return true;
 }
 
@@ -496,13 +508,16 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         n_valid += valid[s] ? 1 : 0;
     }
 
-    float * w  = (float *) weights->data;
-    float * wh = (float *) weights_h->data;
+    std::vector<float> w(W);
     for (int32_t s = 0; s < W; ++s) {
         w[s] = valid[s] ? 1.0f/n_valid : 0.0f;
     }
+    if (ent) {
+        std::copy(w.begin(), w.end(), (float *) weights->data); // only the entropy reads the per-query weights
+    }
+    float * wh = (float *) weights_h->data;
     for (int32_t h = 0; h < st->n_head; ++h) {
-        std::copy(w, w + W, wh + (int64_t) h*W);
+        std::copy(w.begin(), w.end(), wh + (int64_t) h*W);
     }
 
     const bool alibi = st->model.hparams.use_alibi;
@@ -619,7 +634,8 @@ void llama_kvp_graph_observe(
     // one input object per graph, shared by the layers
     if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens) {
         st->n_steps_call = llama_kvp_kv_access::n_ubatches(gctx.mctx);
-        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch, st->n_steps_call), n_tokens);
+        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch, st->n_steps_call),
+                st->want_entropy(gctx.ubatch, st->n_steps_call), n_tokens);
 
         const int64_t n_write = std::min<int64_t>(W, n_tokens);
         inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
@@ -656,7 +672,7 @@ void llama_kvp_graph_observe(
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3);       // [d, n_kv, n_head_kv]
 
     ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qo);              // [n_kv, W, n_head]
-    ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
 
     if (hparams.attn_soft_cap) {
         kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
@@ -670,13 +686,15 @@ void llama_kvp_graph_observe(
     ggml_format_name(probs, "kvp_probs-%d", il);
 
     // entropy per head: -sum_j p log p, averaged over the valid window queries
-    ggml_tensor * lp  = ggml_log(ctx0, ggml_scale_bias(ctx0, probs, 1.0f, 1e-30f));
-    ggml_tensor * plp = ggml_mul(ctx0, probs, lp);
-    ggml_tensor * h   = ggml_sum_rows(ctx0, plp);               // [1, W, n_head]
-    h = ggml_reshape_2d(ctx0, h, W, n_head);
-    ggml_tensor * ent = ggml_mul_mat(ctx0, inp->weights, h);    // [1, n_head]
-    ent = ggml_scale(ctx0, ggml_reshape_1d(ctx0, ent, n_head), -1.0f);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx0, ent, L.entropy));
+    if (inp->ent) {
+        ggml_tensor * lp  = ggml_log(ctx0, ggml_scale_bias(ctx0, probs, 1.0f, 1e-30f));
+        ggml_tensor * plp = ggml_mul(ctx0, probs, lp);
+        ggml_tensor * h   = ggml_sum_rows(ctx0, plp);               // [1, W, n_head]
+        h = ggml_reshape_2d(ctx0, h, W, n_head);
+        ggml_tensor * ent = ggml_mul_mat(ctx0, inp->weights, h);    // [1, n_head]
+        ent = ggml_scale(ctx0, ggml_reshape_1d(ctx0, ent, n_head), -1.0f);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, ent, L.entropy));
+    }
 
     // mass per head and cell, averaged over the valid window queries (out_prod contracts over the queries)
     ggml_tensor * mass = ggml_out_prod(ctx0, probs, inp->weights_h);            // [n_kv, 1, n_head]

@@ -1,7 +1,8 @@
-// llama-kvp-policy.cpp - policy parameters: defaults, the spec parser shared by Python, the CLI and kvbench,
-// validation and the canonical spec string.
+// llama-kvp-policy.cpp - a policy as a composition of stages: defaults, the spec grammar shared by Python, the CLI
+// and kvbench (parser and canonical string), validation of the composition and its description.
 
 #include "llama-kvp-impl.h"
+#include "llama-kvp-preset.h"
 
 #include <cerrno>
 #include <cstddef>
@@ -31,26 +32,9 @@ int32_t llama_kvp_api_version(void) {
 }
 
 //
-// policy types and their keys
+// keys: where each lives in the struct, and its kind
 //
 
-struct llama_kvp_type_info {
-    int32_t      type;
-    const char * name;
-    const char * keys; // accepted keys, comma-separated
-};
-
-static const llama_kvp_type_info k_types[] = {
-    { LLAMA_KVP_POLICY_NONE,        "none",        ""                                                                  },
-    { LLAMA_KVP_POLICY_OBSERVE,     "observe",     "window,every,decay"                                                },
-    { LLAMA_KVP_POLICY_SINK_RECENT, "sink_recent", "n_sink,n_recent,chunk"                                             },
-    { LLAMA_KVP_POLICY_SNAPKV,      "snapkv",      "budget,window,pool,every,chunk,guide"                              },
-    { LLAMA_KVP_POLICY_H2O,         "h2o",         "budget,n_recent,every,chunk"                                       },
-    { LLAMA_KVP_POLICY_PYRAMID,     "pyramid",     "budget,slope,window,pool,every,chunk,guide"                        },
-    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,pool,every,decay,chunk,guide" },
-};
-
-// the keys, where they live in the struct, and their kind
 struct llama_kvp_key_info {
     const char * name;
     bool         is_float;
@@ -68,46 +52,84 @@ static const llama_kvp_key_info k_keys[] = {
     { "max_layer",  false, offsetof(llama_kvp_policy, max_layer)  },
     { "topk_share", true,  offsetof(llama_kvp_policy, topk_share) },
     { "pool",       false, offsetof(llama_kvp_policy, pool)       },
+    { "pool_max",   false, offsetof(llama_kvp_policy, pool_max)   },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
 };
 
-static const llama_kvp_type_info * llama_kvp_type_find(int32_t type) {
-    for (const auto & t : k_types) {
-        if (t.type == type) {
-            return &t;
+static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
+
+static bool llama_kvp_list_has(const char * list, const std::string & key) {
+    const std::string keys = std::string(",") + list + ",";
+    return !key.empty() && keys.find("," + key + ",") != std::string::npos;
+}
+
+static const llama_kvp_key_info * llama_kvp_key_find(const std::string & name) {
+    for (const auto & k : k_keys) {
+        if (name == k.name) {
+            return &k;
         }
     }
     return nullptr;
 }
 
-static bool llama_kvp_type_has_key(const llama_kvp_type_info & t, const std::string & key) {
-    const std::string keys = std::string(",") + t.keys + ",";
-    return !key.empty() && keys.find("," + key + ",") != std::string::npos;
+static bool llama_kvp_key_equal(const llama_kvp_key_info & k, const llama_kvp_policy & a, const llama_kvp_policy & b) {
+    return memcmp((const char *) &a + k.offset, (const char *) &b + k.offset, sizeof(int32_t)) == 0;
 }
 
-const char * llama_kvp_policy_type_name(int32_t type) {
-    const auto * t = llama_kvp_type_find(type);
-    return t ? t->name : "unknown";
+static std::string llama_kvp_key_str(const llama_kvp_key_info & k, const llama_kvp_policy & p) {
+    const char * field = (const char *) &p + k.offset;
+    char tmp[64];
+    if (k.is_float) {
+        snprintf(tmp, sizeof(tmp), "%s=%g", k.name, (double) *(const float *) field);
+    } else {
+        snprintf(tmp, sizeof(tmp), "%s=%d", k.name, *(const int32_t *) field);
+    }
+    return tmp;
 }
 
-bool llama_kvp_policy_is_retention(int32_t type) {
-    return type >= LLAMA_KVP_POLICY_SINK_RECENT && type <= LLAMA_KVP_POLICY_ENTROPY;
-}
-
-static std::string llama_kvp_type_names() {
+static std::string llama_kvp_preset_names() {
     std::string res;
-    for (const auto & t : k_types) {
+    for (const auto * p : llama_kvp_preset_all()) {
         res += res.empty() ? "" : ", ";
-        res += t.name;
+        res += p->name;
     }
     return res;
 }
 
-struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
+static std::string llama_kvp_stage_names() {
+    std::string res;
+    for (const auto * s : llama_kvp_stage_all()) {
+        res += res.empty() ? "" : ", ";
+        res += s->name;
+    }
+    return res;
+}
+
+const char * llama_kvp_policy_type_name(int32_t type) {
+    const auto * p = llama_kvp_preset_by_type(type);
+    return p ? p->name : "unknown";
+}
+
+bool llama_kvp_policy_retains(const llama_kvp_policy & p) {
+    return llama_kvp_budget_of(p) != nullptr;
+}
+
+bool llama_kvp_policy_observes(const llama_kvp_policy & p) {
+    const auto * score = llama_kvp_score_of(p);
+    return score && score->observes();
+}
+
+int32_t llama_kvp_policy_n_protected(const llama_kvp_policy & p) {
+    const auto * score = llama_kvp_score_of(p);
+    return score ? score->n_protected(p) : 0;
+}
+
+// the base values of every key, before a preset sets its own
+static llama_kvp_policy llama_kvp_policy_base() {
     llama_kvp_policy res = {};
-    res.type       = type;
+    res.type       = LLAMA_KVP_POLICY_NONE;
     res.window     = 32;
     res.every      = 0;
     res.decay      = 1.0f;
@@ -118,145 +140,77 @@ struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
     res.max_layer  = 0;
     res.topk_share = 0.5f;
     res.pool       = 1;
+    res.pool_max   = 0;
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;
-    switch (type) {
-        case LLAMA_KVP_POLICY_SINK_RECENT:
-            res.n_sink   = 4;
-            res.n_recent = 252;
-            break;
-        case LLAMA_KVP_POLICY_SNAPKV:
-        case LLAMA_KVP_POLICY_PYRAMID:
-            res.budget = 0.25f;
-            res.pool   = 5;
-            res.every  = 16;
-            res.decay  = 0.0f;
-            res.guide  = 1;
-            break;
-        case LLAMA_KVP_POLICY_H2O:
-            res.budget   = 0.25f;
-            res.window   = 1;
-            res.every    = 1;
-            res.n_recent = 32;
-            break;
-        case LLAMA_KVP_POLICY_ENTROPY:
-            res.budget   = 0.25f;
-            res.n_sink   = 4;
-            res.n_recent = 16;
-            res.every    = 16;
-            res.decay    = 0.5f;
-            res.pool     = 9;
-            res.guide    = 1;
-            break;
-        default:
-            break;
+    return res;
+}
+
+struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
+    llama_kvp_policy res = llama_kvp_policy_base();
+    res.type = type;
+    if (const auto * preset = llama_kvp_preset_by_type(type)) {
+        preset->make(res);
+        preset->derive(res);
     }
     return res;
 }
 
-// the retained tokens a policy always protects (sinks + recent window)
-int32_t llama_kvp_policy_n_protected(const llama_kvp_policy & p) {
-    switch (p.type) {
-        case LLAMA_KVP_POLICY_SNAPKV:
-        case LLAMA_KVP_POLICY_PYRAMID:
-            return p.window;
-        case LLAMA_KVP_POLICY_H2O:
-            return p.n_recent;
-        default:
-            return p.n_sink + p.n_recent;
-    }
-}
+//
+// validation of a composition
+//
 
 std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
     char buf[256];
-    const auto * info = llama_kvp_type_find(p.type);
-    if (!info) {
-        snprintf(buf, sizeof(buf), "unknown policy type %d (accepted: %s)", p.type, llama_kvp_type_names().c_str());
+    const auto * preset = llama_kvp_preset_by_type(p.type);
+    if (!preset) {
+        snprintf(buf, sizeof(buf), "unknown policy type %d (accepted: %s)", p.type, llama_kvp_preset_names().c_str());
         return buf;
     }
-    const char * name = info->name;
-    auto has = [&](const char * key) { return llama_kvp_type_has_key(*info, key); };
+    const std::string name = preset->name;
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
+        if (p.stage[slot] != LLAMA_KVP_STAGE_NONE && (!s || s->slot != slot)) {
+            snprintf(buf, sizeof(buf), "%s: unknown stage id %d in the %s slot", name.c_str(), p.stage[slot], llama_kvp_slot_name(slot));
+            return buf;
+        }
+    }
+    const auto * budget   = llama_kvp_budget_of(p);
+    const auto * score    = llama_kvp_score_of(p);
+    const auto * schedule = llama_kvp_schedule_of(p);
 
-    if (has("window") && p.window < 1) {
-        snprintf(buf, sizeof(buf), "%s: window must be >= 1 (got %d)", name, p.window);
-        return buf;
+    // the composition: a budget needs a score, a fate and a prefill stage; observing needs a schedule
+    if (budget && (!score || !llama_kvp_fate_of(p) || !llama_kvp_prefill_of(p))) {
+        const int32_t slot = !score ? LLAMA_KVP_SLOT_SCORE : !llama_kvp_fate_of(p) ? LLAMA_KVP_SLOT_FATE : LLAMA_KVP_SLOT_PREFILL;
+        return name + ": the budget stage '" + budget->name + "' needs a " + llama_kvp_slot_name(slot) + " stage";
     }
-    if (has("every") && p.every < 0) {
-        snprintf(buf, sizeof(buf), "%s: every must be >= 0 (got %d; 0 observes prompt batches only)", name, p.every);
-        return buf;
+    if (score && score->observes() && !schedule) {
+        return name + ": the score stage '" + score->name + "' needs a schedule stage (prompt, every)";
     }
-    if (has("decay") && !(p.decay >= 0.0f && p.decay <= 1.0f)) {
-        snprintf(buf, sizeof(buf), "%s: decay must be in [0, 1] (got %g)", name, (double) p.decay);
-        return buf;
+    if (schedule && !(score && score->observes())) {
+        return name + ": the schedule stage '" + schedule->name + "' needs a score stage that observes (window, accumulated)";
     }
-    if (has("budget")) {
-        if (!std::isfinite(p.budget) || p.budget <= 0.0f) {
-            snprintf(buf, sizeof(buf), "%s: budget must be a token count >= 1 or a fraction of the prompt in (0, 1) (got %g)", name, (double) p.budget);
-            return buf;
+
+    // each stage checks the keys it reads
+    static const int32_t order[] = { LLAMA_KVP_SLOT_SCORE, LLAMA_KVP_SLOT_BUDGET, LLAMA_KVP_SLOT_SCHEDULE, LLAMA_KVP_SLOT_PREFILL, LLAMA_KVP_SLOT_FATE };
+    for (int32_t slot : order) {
+        const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
+        if (!s) {
+            continue;
         }
-        if (p.budget >= 1.0f && p.budget != std::floor(p.budget)) {
-            snprintf(buf, sizeof(buf), "%s: a budget >= 1 is a token count and must be a whole number (got %g)", name, (double) p.budget);
-            return buf;
-        }
-        if (p.budget > 1.0e8f) {
-            snprintf(buf, sizeof(buf), "%s: budget %g is too large", name, (double) p.budget);
-            return buf;
+        const std::string err = s->check(p);
+        if (!err.empty()) {
+            return name + ": " + err;
         }
     }
-    if (has("n_sink") && p.n_sink < 0) {
-        snprintf(buf, sizeof(buf), "%s: n_sink must be >= 0 (got %d)", name, p.n_sink);
-        return buf;
-    }
-    if (has("n_recent") && (p.n_recent < (p.type == LLAMA_KVP_POLICY_SINK_RECENT ? 1 : 0))) {
-        snprintf(buf, sizeof(buf), "%s: n_recent must be >= %d (got %d)", name, p.type == LLAMA_KVP_POLICY_SINK_RECENT ? 1 : 0, p.n_recent);
-        return buf;
-    }
-    if (has("min_layer") && p.min_layer < 0) {
-        snprintf(buf, sizeof(buf), "%s: min_layer must be >= 0 (got %d; 0 = budget/4)", name, p.min_layer);
-        return buf;
-    }
-    if (has("max_layer") && p.max_layer < 0) {
-        snprintf(buf, sizeof(buf), "%s: max_layer must be >= 0 (got %d; 0 = 2*budget)", name, p.max_layer);
-        return buf;
-    }
-    if (has("max_layer") && p.min_layer > 0 && p.max_layer > 0 && p.min_layer > p.max_layer) {
-        snprintf(buf, sizeof(buf), "%s: min_layer (%d) is larger than max_layer (%d)", name, p.min_layer, p.max_layer);
-        return buf;
-    }
-    if (has("topk_share") && !(p.topk_share >= 0.0f && p.topk_share <= 1.0f)) {
-        snprintf(buf, sizeof(buf), "%s: topk_share must be in [0, 1] (got %g)", name, (double) p.topk_share);
-        return buf;
-    }
-    if (has("pool") && (p.pool < 1 || p.pool % 2 == 0)) {
-        snprintf(buf, sizeof(buf), "%s: pool must be an odd width >= 1 (got %d)", name, p.pool);
-        return buf;
-    }
-    if (has("slope") && !(p.slope >= 0.0f && p.slope < 1.0f)) {
-        snprintf(buf, sizeof(buf), "%s: slope must be in [0, 1) (got %g)", name, (double) p.slope);
-        return buf;
-    }
-    if (has("guide") && p.guide != 0 && p.guide != 1) {
-        snprintf(buf, sizeof(buf), "%s: guide must be 0 or 1 (got %d)", name, p.guide);
-        return buf;
-    }
-    if (has("chunk") && p.chunk < 1) {
-        snprintf(buf, sizeof(buf), "%s: chunk must be >= 1 (got %d)", name, p.chunk);
-        return buf;
-    }
-    if (has("budget") && p.budget >= 1.0f) {
-        const int32_t n_prot = llama_kvp_policy_n_protected(p);
+
+    // a scored budget must leave room for a token chosen by score
+    if (budget && p.budget >= 1.0f && !score->protected_only()) {
+        const int32_t n_prot = score->n_protected(p);
         if ((float) n_prot >= p.budget) {
             snprintf(buf, sizeof(buf), "%s: budget (%g) must be larger than the tokens always kept (%d: sinks + recent window)",
-                    name, (double) p.budget, n_prot);
-            return buf;
-        }
-        if (has("min_layer") && p.min_layer > 0 && (float) p.min_layer > p.budget) {
-            snprintf(buf, sizeof(buf), "%s: min_layer (%d) is larger than the budget (%g)", name, p.min_layer, (double) p.budget);
-            return buf;
-        }
-        if (has("max_layer") && p.max_layer > 0 && (float) p.max_layer < p.budget) {
-            snprintf(buf, sizeof(buf), "%s: max_layer (%d) is smaller than the budget (%g)", name, p.max_layer, (double) p.budget);
+                    name.c_str(), (double) p.budget, n_prot);
             return buf;
         }
     }
@@ -277,7 +231,7 @@ int32_t llama_kvp_policy_validate(const struct llama_kvp_policy * policy) {
 }
 
 //
-// parser: "name" or "name:key=value,key=value"
+// parser: part ("+" part)*, part = name [":" key=value ("," key=value)*]
 //
 
 static std::string llama_kvp_trim(const std::string & s) {
@@ -309,11 +263,75 @@ static bool llama_kvp_parse_float(const std::string & v, float & out) {
     char * end = nullptr;
     errno = 0;
     const double x = strtod(v.c_str(), &end);
-    if (errno != 0 || *end != '\0' || !std::isfinite(x)) {
+    if (*end != '\0') { // out of range and non-finite values are left to the validation of the key
         return false;
     }
     out = (float) x;
     return true;
+}
+
+
+// applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors
+static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p) {
+    size_t start = 0;
+    while (start <= items.size()) {
+        size_t comma = items.find(',', start);
+        if (comma == std::string::npos) {
+            comma = items.size();
+        }
+        const std::string item = llama_kvp_trim(items.substr(start, comma - start));
+        start = comma + 1;
+        if (item.empty()) {
+            continue;
+        }
+        const size_t eq = item.find('=');
+        const std::string key = llama_kvp_trim(item.substr(0, eq));
+        const std::string val = eq == std::string::npos ? "" : llama_kvp_trim(item.substr(eq + 1));
+
+        const llama_kvp_key_info * kinfo = llama_kvp_list_has(accepted, key) ? llama_kvp_key_find(key) : nullptr;
+        if (!kinfo) {
+            llama_kvp_set_error("unknown key '" + key + "' for " + what + " (accepted: " + (*accepted ? accepted : "none") + ")");
+            return false;
+        }
+        char * field = (char *) &p + kinfo->offset;
+        const bool val_ok = kinfo->is_float ? llama_kvp_parse_float(val, *(float *) field) : llama_kvp_parse_int(val, *(int32_t *) field);
+        if (eq == std::string::npos || !val_ok) {
+            llama_kvp_set_error("bad value for '" + key + "' in " + what + ": '" + val + "' is not " + (kinfo->is_float ? "a number" : "an integer"));
+            return false;
+        }
+    }
+    return true;
+}
+
+// puts a stage in its slot with its defaults for the keys the preset does not expose; naming the slot's own stage
+// again keeps every value (its keys then only override)
+static void llama_kvp_add_stage(llama_kvp_policy & p, const llama_kvp_preset & preset, const llama_kvp_stage & stage) {
+    if (p.stage[stage.slot] == stage.id) {
+        return;
+    }
+    const llama_kvp_policy keep = p;
+    stage.defaults(p);
+    for (const auto & k : k_keys) {
+        if (llama_kvp_list_has(preset.keys, k.name)) {
+            memcpy((char *) &p + k.offset, (const char *) &keep + k.offset, sizeof(int32_t));
+        }
+    }
+    p.stage[stage.slot] = stage.id;
+}
+
+// a retaining composition gets the stages it cannot run without: drop, dense and a schedule for observed scores
+static void llama_kvp_complete(llama_kvp_policy & p, const llama_kvp_preset & preset) {
+    if (llama_kvp_budget_of(p)) {
+        if (!llama_kvp_fate_of(p)) {
+            llama_kvp_add_stage(p, preset, *llama_kvp_stage_fate_drop());
+        }
+        if (!llama_kvp_prefill_of(p)) {
+            llama_kvp_add_stage(p, preset, *llama_kvp_stage_prefill_dense());
+        }
+    }
+    if (llama_kvp_policy_observes(p) && !llama_kvp_schedule_of(p)) {
+        llama_kvp_add_stage(p, preset, p.every != 0 ? *llama_kvp_stage_schedule_every() : *llama_kvp_stage_schedule_prompt());
+    }
 }
 
 int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out) {
@@ -322,70 +340,59 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
         return -1;
     }
     const std::string s = spec;
-    const size_t colon = s.find(':');
-    const std::string name = llama_kvp_trim(s.substr(0, colon));
 
-    const llama_kvp_type_info * info = nullptr;
-    for (const auto & t : k_types) {
-        if (name == t.name) {
-            info = &t;
+    std::vector<std::string> parts;
+    for (size_t start = 0; start <= s.size(); ) {
+        size_t plus = s.find('+', start);
+        if (plus == std::string::npos) {
+            plus = s.size();
         }
-    }
-    if (!info) {
-        llama_kvp_set_error("unknown policy '" + name + "' (accepted: " + llama_kvp_type_names() + ")");
-        return -1;
+        parts.push_back(s.substr(start, plus - start));
+        start = plus + 1;
     }
 
-    llama_kvp_policy p = llama_kvp_policy_default(info->type);
-
-    const std::string accepted = *info->keys ? info->keys : "none";
-    std::string rest = colon == std::string::npos ? "" : s.substr(colon + 1);
-    size_t start = 0;
-    while (colon != std::string::npos && start <= rest.size()) {
-        size_t comma = rest.find(',', start);
-        if (comma == std::string::npos) {
-            comma = rest.size();
-        }
-        const std::string item = llama_kvp_trim(rest.substr(start, comma - start));
-        start = comma + 1;
-        if (item.empty()) {
-            if (comma == rest.size()) {
-                break;
+    llama_kvp_policy p = llama_kvp_policy_base();
+    const llama_kvp_preset * preset = nullptr;
+    bool replaced[LLAMA_KVP_SLOT_COUNT] = {};
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const size_t colon = parts[i].find(':');
+        const std::string name  = llama_kvp_trim(parts[i].substr(0, colon));
+        const std::string items = colon == std::string::npos ? "" : parts[i].substr(colon + 1);
+        if (i == 0) {
+            preset = llama_kvp_preset_by_name(name);
+            if (!preset) {
+                llama_kvp_set_error("unknown policy '" + name + "' (accepted: " + llama_kvp_preset_names() + "; stages follow with '+')");
+                return -1;
             }
+            p.type = preset->type;
+            preset->make(p);
+            if (!llama_kvp_apply_keys(items, preset->keys, "policy '" + name + "'", p)) {
+                return -1;
+            }
+            preset->derive(p);
             continue;
         }
-        const size_t eq = item.find('=');
-        const std::string key = llama_kvp_trim(item.substr(0, eq));
-        const std::string val = eq == std::string::npos ? "" : llama_kvp_trim(item.substr(eq + 1));
-
-        const llama_kvp_key_info * kinfo = nullptr;
-        if (llama_kvp_type_has_key(*info, key)) {
-            for (const auto & k : k_keys) {
-                if (key == k.name) {
-                    kinfo = &k;
-                }
-            }
-        }
-        const bool key_ok = kinfo != nullptr;
-        bool val_ok = false;
-        const char * expect = "";
-        if (kinfo) {
-            char * field = (char *) &p + kinfo->offset;
-            expect = kinfo->is_float ? "a number" : "an integer";
-            val_ok = kinfo->is_float ? llama_kvp_parse_float(val, *(float *) field) : llama_kvp_parse_int(val, *(int32_t *) field);
-        }
-        if (!key_ok) {
-            llama_kvp_set_error("unknown key '" + key + "' for policy '" + name + "' (accepted: " + accepted + ")");
+        if (name.empty()) {
+            llama_kvp_set_error("empty stage after '+' in '" + s + "' (accepted: " + llama_kvp_stage_names() + ")");
             return -1;
         }
-        if (eq == std::string::npos || !val_ok) {
-            llama_kvp_set_error("bad value for '" + key + "' in policy '" + name + "': '" + val + "' is not " + expect);
+        const llama_kvp_stage * stage = llama_kvp_stage_by_name(name);
+        if (!stage) {
+            llama_kvp_set_error("unknown stage '" + name + "' (accepted: " + llama_kvp_stage_names() + ")");
             return -1;
         }
-        if (comma == rest.size()) {
-            break;
+        if (replaced[stage->slot]) {
+            llama_kvp_set_error(std::string("two stages for the ") + llama_kvp_slot_name(stage->slot) + " slot: '" +
+                    llama_kvp_stage_by_id(p.stage[stage->slot])->name + "' and '" + name + "'");
+            return -1;
+        }
+        replaced[stage->slot] = true;
+        llama_kvp_add_stage(p, *preset, *stage);
+        if (!llama_kvp_apply_keys(items, stage->keys, "stage '" + name + "'", p)) {
+            return -1;
         }
     }
+    llama_kvp_complete(p, *preset);
 
     if (llama_kvp_policy_validate(&p) != 0) {
         return -1;
@@ -394,28 +401,101 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
     return 0;
 }
 
+std::string llama_kvp_policy_str(const llama_kvp_policy & p) {
+    const auto * preset = llama_kvp_preset_by_type(p.type);
+    if (!preset) {
+        return "unknown";
+    }
+    // the preset part: every key it exposes
+    std::string res = preset->name;
+    char sep = ':';
+    for (const auto & k : k_keys) {
+        if (llama_kvp_list_has(preset->keys, k.name)) {
+            res += sep + llama_kvp_key_str(k, p);
+            sep = ',';
+        }
+    }
+
+    // what the preset alone makes of these keys
+    llama_kvp_policy ref = llama_kvp_policy_base();
+    ref.type = p.type;
+    preset->make(ref);
+    for (const auto & k : k_keys) {
+        if (llama_kvp_list_has(preset->keys, k.name)) {
+            memcpy((char *) &ref + k.offset, (const char *) &p + k.offset, sizeof(int32_t));
+        }
+    }
+    preset->derive(ref);
+
+    // a stage part for each slot whose stage, or one of its other keys, differs
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
+        if (!s) {
+            continue;
+        }
+        std::string keys;
+        bool differs = p.stage[slot] != ref.stage[slot];
+        for (const auto & k : k_keys) {
+            if (llama_kvp_list_has(s->keys, k.name) && !llama_kvp_list_has(preset->keys, k.name)) {
+                keys += (keys.empty() ? ":" : ",") + llama_kvp_key_str(k, p);
+                differs = differs || !llama_kvp_key_equal(k, p, ref);
+            }
+        }
+        if (differs) {
+            res += std::string("+") + s->name + keys;
+        }
+    }
+    return res;
+}
+
 int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char * buf, size_t size) {
     if (!policy) {
         llama_kvp_set_error("policy is NULL");
         return -1;
     }
-    const auto * info = llama_kvp_type_find(policy->type);
-    std::string s = llama_kvp_policy_type_name(policy->type);
-    if (info) {
-        char sep = ':';
-        for (const auto & k : k_keys) {
-            if (!llama_kvp_type_has_key(*info, k.name)) {
+    const std::string s = llama_kvp_policy_str(*policy);
+    if (buf && size > 0) {
+        snprintf(buf, size, "%s", s.c_str());
+    }
+    return (int32_t) s.size();
+}
+
+int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct llama_kvp_policy_desc * out) {
+    if (!out || llama_kvp_policy_validate(policy) != 0) {
+        if (!out) {
+            llama_kvp_set_error("describe: output is NULL");
+        }
+        return -1;
+    }
+    const llama_kvp_policy & p = *policy;
+    out->preset = llama_kvp_policy_type_name(p.type);
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
+        out->stage[slot] = s ? s->name : "";
+    }
+    const auto * prefill = llama_kvp_prefill_of(p);
+    out->observes = llama_kvp_policy_observes(p) ? 1 : 0;
+    out->retains  = llama_kvp_policy_retains(p) ? 1 : 0;
+    out->guides   = out->retains && prefill && prefill->n_guide(p, UINT32_MAX) > 0 ? 1 : 0;
+    return 0;
+}
+
+int32_t llama_kvp_policy_help(char * buf, size_t size) {
+    std::string s = "presets (spec: preset[:key=value,...][+stage[:key=value,...]]...):\n";
+    for (const auto * p : llama_kvp_preset_all()) {
+        char line[512];
+        snprintf(line, sizeof(line), "  %-12s %s\n  %-12s keys: %s\n", p->name, p->help, "", *p->keys ? p->keys : "none");
+        s += line;
+    }
+    for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+        s += std::string(llama_kvp_slot_name(slot)) + " stages:\n";
+        for (const auto * st : llama_kvp_stage_all()) {
+            if (st->slot != slot) {
                 continue;
             }
-            const char * field = (const char *) policy + k.offset;
-            char tmp[64];
-            if (k.is_float) {
-                snprintf(tmp, sizeof(tmp), "%c%s=%g", sep, k.name, (double) *(const float *) field);
-            } else {
-                snprintf(tmp, sizeof(tmp), "%c%s=%d", sep, k.name, *(const int32_t *) field);
-            }
-            s += tmp;
-            sep = ',';
+            char line[512];
+            snprintf(line, sizeof(line), "  %-12s %s (keys: %s)\n", st->name, st->help, *st->keys ? st->keys : "none");
+            s += line;
         }
     }
     if (buf && size > 0) {

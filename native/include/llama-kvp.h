@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 3
+#define LLAMA_KVP_API_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -41,10 +41,15 @@ extern "C" {
 
 struct llama_context;
 
-enum llama_kvp_policy_type {
+// A policy is a composition of stages, one per slot: how the budget is split over layers, how tokens are scored,
+// when the scores are refreshed, what happens to a token that leaves a layer's cache, and how a prompt is processed.
+// Each stage lives in one file (native/engine/stages/). The presets below are named compositions; a spec starts with
+// a preset and may replace stages with "+stage:key=value,...", e.g. "snapkv:budget=0.1+entropy:min_layer=64".
+
+enum llama_kvp_policy_type { // presets
     LLAMA_KVP_POLICY_NONE        = 0, // full cache, no observation
     LLAMA_KVP_POLICY_OBSERVE     = 1, // full cache + in-graph attention observation (telemetry)
-    // retention policies: one KV cache per layer, sized to the layer's budget (llama-kvp-memory.cpp)
+    // retention presets: one KV cache per layer, sized to the layer's budget (llama-kvp-memory.cpp)
     LLAMA_KVP_POLICY_SINK_RECENT = 2, // first n_sink + last n_recent tokens (StreamingLLM)
     LLAMA_KVP_POLICY_SNAPKV      = 3, // uniform budget, top-k by pooled observation-window attention
     LLAMA_KVP_POLICY_H2O         = 4, // uniform budget, top-k by attention accumulated over decoding
@@ -52,8 +57,33 @@ enum llama_kvp_policy_type {
     LLAMA_KVP_POLICY_ENTROPY     = 6, // layer budgets in proportion to mean head entropy, top-k + sinks + recent
 };
 
+enum llama_kvp_slot {
+    LLAMA_KVP_SLOT_BUDGET   = 0, // layer budget allocation (none: llama.cpp's full cache)
+    LLAMA_KVP_SLOT_SCORE    = 1, // token scoring and the tokens always kept (none: nothing observed)
+    LLAMA_KVP_SLOT_SCHEDULE = 2, // when scores are refreshed during decoding
+    LLAMA_KVP_SLOT_FATE     = 3, // what happens to tokens leaving a layer's cache
+    LLAMA_KVP_SLOT_PREFILL  = 4, // how a prompt is processed
+    LLAMA_KVP_SLOT_COUNT    = 5,
+};
+
+enum llama_kvp_stage_id {
+    LLAMA_KVP_STAGE_NONE        = 0,  // empty slot
+    LLAMA_KVP_BUDGET_UNIFORM    = 1,  // every layer gets the mean budget
+    LLAMA_KVP_BUDGET_PYRAMID    = 2,  // linearly decreasing over layers (slope)
+    LLAMA_KVP_BUDGET_ENTROPY    = 3,  // in proportion to the mean head entropy of the prompt
+    LLAMA_KVP_SCORE_RECENCY     = 10, // sinks + most recent tokens, nothing observed
+    LLAMA_KVP_SCORE_WINDOW      = 11, // attention of the last `window` queries, pooled over positions
+    LLAMA_KVP_SCORE_ACCUMULATED = 12, // attention accumulated over observations (heavy hitters)
+    LLAMA_KVP_SCHEDULE_PROMPT   = 20, // observe prompt batches only
+    LLAMA_KVP_SCHEDULE_EVERY    = 21, // also every `every` decode steps
+    LLAMA_KVP_FATE_DROP         = 30, // leaving tokens are gone
+    LLAMA_KVP_PREFILL_DENSE     = 40, // dense attention, prompt in chunks (guided by the prompt's end with `guide`)
+};
+
+// the stages and the values of every key of the spec grammar; each stage reads the keys it names
 struct llama_kvp_policy {
-    int32_t type;       // enum llama_kvp_policy_type
+    int32_t type;       // the preset this composition starts from (enum llama_kvp_policy_type)
+    int32_t stage[5];   // stage of each slot (enum llama_kvp_stage_id), indexed by enum llama_kvp_slot
     int32_t window;     // observation window: the last `window` queries of the sequence (>= 1)
     int32_t every;      // also observe every `every` single-token decode steps (0 = prompt batches only)
     float   decay;      // accumulated mass: acc = decay*acc + mass at each observation, in [0, 1]
@@ -62,11 +92,21 @@ struct llama_kvp_policy {
     int32_t n_recent;   // most recent tokens always kept
     int32_t min_layer;  // entropy: smallest layer budget (0 = budget/4)
     int32_t max_layer;  // entropy: largest layer budget (0 = 2*budget)
-    float   topk_share; // entropy: share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
-    int32_t pool;       // width of the pooling of the scores over positions (odd, 1 = none): average, max for entropy
+    float   topk_share; // share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
+    int32_t pool;       // width of the pooling of the scores over positions (odd, 1 = none)
+    int32_t pool_max;   // 1: max pooling (keeps the span around an attended token), 0: average
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
+};
+
+// what a policy is made of (names are static strings)
+struct llama_kvp_policy_desc {
+    const char * preset;   // preset name
+    const char * stage[5]; // stage name per slot ("" for an empty slot)
+    int32_t observes;      // 1: computes in-graph attention observations
+    int32_t retains;       // 1: one budgeted KV cache per layer (evicts tokens)
+    int32_t guides;        // 1: prompt chunks are guided by the prompt's end
 };
 
 // per layer of the KV cache, as allocated in the real ggml buffers
@@ -100,13 +140,25 @@ void         llama_kvp_clear_error(void);
 // defaults of a policy type
 struct llama_kvp_policy llama_kvp_policy_default(int32_t type);
 
-// parse "observe:window=32,every=4" into *out; returns 0, or -1 with a one-line error naming the bad key
+// parse a spec into *out; returns 0, or -1 with a one-line error naming the bad preset, stage or key. Grammar:
+//   spec := part ("+" part)*      part := name [":" key "=" value ("," key "=" value)*]
+// the first part names a preset, the others stages that replace the preset's stage in their slot; a stage part
+// takes the stage's keys (its keys the preset does not expose start at the stage's defaults)
 int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out);
+
+// what a policy is made of; returns 0, or -1 for an invalid policy
+int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct llama_kvp_policy_desc * out);
+
+// writes a listing of the presets and stages with their keys, one per line (at most `size` bytes, NUL included);
+// returns its length
+int32_t llama_kvp_policy_help(char * buf, size_t size);
 
 // checks the parameters of a policy; returns 0, or -1 with the reason
 int32_t llama_kvp_policy_validate(const struct llama_kvp_policy * policy);
 
-// writes the canonical spec string of a policy (at most `size` bytes, NUL included); returns its length
+// writes the canonical spec string of a policy (at most `size` bytes, NUL included); returns its length. It names
+// the preset with every key it exposes, then each stage that differs from the preset's with its other keys, and
+// parses back to the same policy
 int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char * buf, size_t size);
 
 // the next llama_context created on this thread takes this policy (NULL clears it)

@@ -1,0 +1,149 @@
+// llama-kvp-stage.h - the stages a policy is composed of (one slot each: budget, score, schedule, fate, prefill).
+//
+// A stage is one decision of a policy. Each implementation lives in one file under native/engine/stages/ with its
+// name, the keys it reads, its defaults, the validation of its keys and its behaviour; llama-kvp-stages.cpp lists
+// them. The per-layer memory (llama-kvp-memory.cpp) and the observation (llama-kvp-observe.cpp) call the stages of a
+// policy through the slot interfaces below and never ask which policy they run.
+#pragma once
+
+#include "llama-kvp.h"
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+class llama_kv_cache;
+
+struct llama_kvp_stage {
+    llama_kvp_stage(int32_t id, int32_t slot, const char * name, const char * keys, const char * help) :
+        id(id), slot(slot), name(name), keys(keys), help(help) {}
+    virtual ~llama_kvp_stage() = default;
+
+    const int32_t      id;   // enum llama_kvp_stage_id
+    const int32_t      slot; // enum llama_kvp_slot
+    const char * const name; // its name in the spec grammar
+    const char * const keys; // the keys it reads, comma-separated
+    const char * const help; // one line
+
+    // its defaults of the keys it reads (a spec part "+name" applies them to the keys the preset does not expose)
+    virtual void defaults(llama_kvp_policy & p) const { (void) p; }
+
+    // "" if the keys it reads are valid, else the reason (the caller prefixes the policy's name)
+    virtual std::string check(const llama_kvp_policy & p) const { (void) p; return ""; }
+};
+
+//
+// slot interfaces
+//
+
+struct llama_kvp_budget_stage : llama_kvp_stage {
+    using llama_kvp_stage::llama_kvp_stage;
+
+    // per-layer budgets before anything is observed, `mean` per layer on average; lo: the smallest useful layer
+    // budget (the protected tokens + 1), hi: the context size
+    virtual std::vector<uint32_t> initial(const llama_kvp_policy & p, uint32_t mean, int32_t n_layer, uint32_t lo, uint32_t hi) const;
+
+    // does it decide the budgets from the attention entropy of the prompt
+    virtual bool uses_entropy() const { return false; }
+
+    // budgets from the mean head entropy of each layer (prompt observations so far); false: keep the current ones
+    virtual bool from_entropy(const llama_kvp_policy & p, const float * entropy, int32_t n_layer, uint32_t mean,
+                              uint32_t lo, uint32_t hi, std::vector<uint32_t> & out) const;
+};
+
+// a cell of a layer's cache, in the order of positions, with its eviction score
+struct llama_kvp_cell {
+    llama_pos pos;
+    uint32_t  idx;
+    float     score;
+};
+
+struct llama_kvp_score_stage : llama_kvp_stage {
+    using llama_kvp_stage::llama_kvp_stage;
+
+    // does scoring need the in-graph observation of attention
+    virtual bool observes() const = 0;
+
+    // the tokens always kept by a layer with this budget: the first n_sink and the last n_recent
+    virtual void protect(const llama_kvp_policy & p, uint32_t budget, uint32_t & n_sink, uint32_t & n_recent) const;
+
+    // tokens always kept, whatever the budget (validation, smallest budgets)
+    virtual int32_t n_protected(const llama_kvp_policy & p) const { return p.n_sink + p.n_recent; }
+
+    // a budget made of protected tokens only (nothing is chosen by score)
+    virtual bool protected_only() const { return false; }
+
+    // turns the observed (accumulated, decayed) mass of each cell, in cells[].score (0: not observed), into the
+    // eviction scores; cells are in position order
+    virtual void score(const llama_kvp_policy & p, std::vector<llama_kvp_cell> & cells) const { (void) p; (void) cells; }
+};
+
+struct llama_kvp_schedule_stage : llama_kvp_stage {
+    using llama_kvp_stage::llama_kvp_stage;
+
+    // does the single-token decode step number n_decode (0-based) refresh the scores
+    virtual bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const = 0;
+};
+
+struct llama_kvp_fate_stage : llama_kvp_stage {
+    using llama_kvp_stage::llama_kvp_stage;
+
+    // the tokens in cells `idx` leave the layer cache `kv` (one call per layer and eviction)
+    virtual void leave(llama_kv_cache & kv, const std::vector<uint32_t> & idx) const = 0;
+};
+
+struct llama_kvp_prefill_stage : llama_kvp_stage {
+    using llama_kvp_stage::llama_kvp_stage;
+
+    // prompt tokens per ubatch (the headroom of each layer's cache)
+    virtual uint32_t chunk(const llama_kvp_policy & p, uint32_t n_ubatch) const;
+
+    // tokens of the prompt's end run behind each chunk and removed after it (0: none)
+    virtual uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const { (void) p; (void) n_ubatch; return 0; }
+};
+
+//
+// registry (llama-kvp-stages.cpp)
+//
+
+// every stage, in the order of the listing
+const std::vector<const llama_kvp_stage *> & llama_kvp_stage_all();
+
+// the stage with this id or name (nullptr if none)
+const llama_kvp_stage * llama_kvp_stage_by_id(int32_t id);
+const llama_kvp_stage * llama_kvp_stage_by_name(const std::string & name);
+
+const char * llama_kvp_slot_name(int32_t slot);
+
+// the stage of a policy in one slot (nullptr: empty slot)
+const llama_kvp_budget_stage   * llama_kvp_budget_of  (const llama_kvp_policy & p);
+const llama_kvp_score_stage    * llama_kvp_score_of   (const llama_kvp_policy & p);
+const llama_kvp_schedule_stage * llama_kvp_schedule_of(const llama_kvp_policy & p);
+const llama_kvp_fate_stage     * llama_kvp_fate_of    (const llama_kvp_policy & p);
+const llama_kvp_prefill_stage  * llama_kvp_prefill_of (const llama_kvp_policy & p);
+
+//
+// the stage implementations (one file each in stages/)
+//
+
+const llama_kvp_stage * llama_kvp_stage_budget_uniform();
+const llama_kvp_stage * llama_kvp_stage_budget_pyramid();
+const llama_kvp_stage * llama_kvp_stage_budget_entropy();
+const llama_kvp_stage * llama_kvp_stage_score_recency();
+const llama_kvp_stage * llama_kvp_stage_score_window();
+const llama_kvp_stage * llama_kvp_stage_score_accumulated();
+const llama_kvp_stage * llama_kvp_stage_schedule_prompt();
+const llama_kvp_stage * llama_kvp_stage_schedule_every();
+const llama_kvp_stage * llama_kvp_stage_fate_drop();
+const llama_kvp_stage * llama_kvp_stage_prefill_dense();
+
+// shared checks of key values ("" if fine), used by the stages that read those keys
+std::string llama_kvp_check_budget  (const llama_kvp_policy & p);
+std::string llama_kvp_check_protect (const llama_kvp_policy & p, int32_t min_recent);
+std::string llama_kvp_check_window  (const llama_kvp_policy & p);
+std::string llama_kvp_check_decay   (const llama_kvp_policy & p);
+
+// the keys of a score stage that observes: window, decay, n_sink, n_recent, topk_share
+std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);

@@ -1,0 +1,25 @@
+"""The stages a policy is composed of, one module each (their native twins are in native/engine/stages/)."""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from ..policies import Stage
+from .budget_entropy import EntropyBudget
+from .budget_pyramid import PyramidBudget
+from .budget_uniform import UniformBudget
+from .fate_drop import DropFate
+from .prefill_dense import DensePrefill
+from .schedule_every import EverySchedule
+from .schedule_prompt import PromptSchedule
+from .score_accumulated import AccumulatedScore
+from .score_recency import RecencyScore
+from .score_window import WindowScore
+
+STAGES: Dict[str, Type[Stage]] = {
+    cls.name: cls
+    for cls in (UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
+                PromptSchedule, EverySchedule, DropFate, DensePrefill)
+}
+
+__all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES"]

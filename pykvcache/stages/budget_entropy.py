@@ -1,0 +1,20 @@
+"""Budget stage `entropy` (native/engine/stages/budget-entropy.cpp)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from ..policies import Stage
+
+
+@dataclass(frozen=True)
+class EntropyBudget(Stage):
+    """Layer budgets in proportion to the mean head entropy of the prompt, within [min_layer, max_layer] (0: budget/4, 2*budget)."""
+
+    name: ClassVar[str] = "entropy"
+    slot: ClassVar[str] = "budget"
+
+    budget: Optional[float] = None
+    min_layer: Optional[int] = None
+    max_layer: Optional[int] = None

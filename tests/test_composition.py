@@ -1,0 +1,151 @@
+"""Policies as compositions of stages: one grammar (native, shared by Python, the CLI and kvbench), canonical strings
+that round-trip, one-line errors, Python `+`, and compositions that run on the real model."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from conftest import PROSE
+
+from pykvcache import EntropyLayerBudget, H2O, Llama, PolicyError, Pyramid, SinkRecent, SnapKV, parse_policy
+from pykvcache.stages import (STAGES, AccumulatedScore, DensePrefill, DropFate, EntropyBudget, EverySchedule,
+                              PromptSchedule, PyramidBudget, RecencyScore, UniformBudget, WindowScore)
+
+N_LAYER = 30
+
+COMPOSITIONS = [
+    "snapkv:budget=0.1+entropy",
+    "snapkv:budget=0.1+entropy:min_layer=64,max_layer=400",
+    "entropy:budget=0.1+accumulated",
+    "entropy:budget=200+uniform",
+    "h2o:budget=512+window:pool=3",
+    "sink_recent+pyramid:budget=300,slope=0.25",
+    "snapkv:budget=0.2+prompt",
+    "pyramid:budget=0.1+every:every=4",
+    "observe:window=16+uniform:budget=128",
+    "none+uniform:budget=64+recency:n_sink=2,n_recent=30",
+    "entropy:budget=0.1+dense:guide=0",
+]
+
+
+@pytest.mark.parametrize("spec", COMPOSITIONS)
+def test_canonical_string_round_trips(spec):
+    pol = parse_policy(spec)
+    canonical = pol.spec()
+    assert parse_policy(canonical) == pol
+    assert parse_policy(canonical).spec() == canonical
+    # a slot whose stage differs from the preset's stays visible in the canonical string
+    stages = parse_policy(canonical.split("+")[0]).describe()["stages"]
+    assert ("+" in canonical) == (stages != pol.describe()["stages"])
+
+
+def test_presets_keep_their_spec_strings():
+    assert SnapKV(budget=0.1).spec() == "snapkv:window=32,every=16,budget=0.1,pool=5,chunk=128,guide=1"
+    assert H2O(budget=512).spec() == "h2o:every=1,budget=512,n_recent=32,chunk=128"
+    assert SinkRecent().spec() == "sink_recent:n_sink=4,n_recent=252,chunk=128"
+    assert parse_policy("pyramid:budget=0.1") == Pyramid(budget=0.1, slope=0.5)
+    assert parse_policy("entropy:budget=0.1") == EntropyLayerBudget(budget=0.1)
+
+
+@pytest.mark.parametrize(
+    "spec, preset",
+    [
+        ("snapkv:budget=0.1+uniform+window+every+drop+dense", SnapKV(budget=0.1)),
+        ("entropy:budget=0.1+entropy+window+every+drop+dense", EntropyLayerBudget(budget=0.1)),
+        ("h2o:budget=512+uniform+accumulated+every+drop+dense", H2O(budget=512)),
+        ("sink_recent+uniform+recency+drop+dense", SinkRecent()),
+        ("pyramid:budget=0.1+pyramid+window+every+drop+dense", Pyramid(budget=0.1)),
+        ("entropy:budget=0.1+window:pool=3", EntropyLayerBudget(budget=0.1, pool=3)),
+    ],
+)
+def test_naming_a_presets_own_stages_changes_nothing(spec, preset):
+    assert parse_policy(spec) == preset
+    assert parse_policy(spec).spec() == preset.spec()
+
+
+def test_python_composes_like_the_grammar():
+    pol = SnapKV(budget=0.1) + EntropyBudget(min_layer=64)
+    assert pol == parse_policy("snapkv:budget=0.1+entropy:min_layer=64")
+    assert pol.spec() == "snapkv:window=32,every=16,budget=0.1,pool=5,chunk=128,guide=1+entropy:min_layer=64,max_layer=0"
+    assert pol.describe()["stages"] == {"budget": "entropy", "score": "window", "schedule": "every", "fate": "drop",
+                                        "prefill": "dense"}
+    assert (pol + AccumulatedScore()).describe()["stages"]["score"] == "accumulated"
+    # a preset's own stage adds nothing: the result is the preset itself
+    assert SnapKV(budget=0.1) + UniformBudget() == SnapKV(budget=0.1)
+    assert isinstance(SnapKV(budget=0.1) + UniformBudget(), SnapKV)
+    with pytest.raises(TypeError):
+        SnapKV(budget=0.1) + 3  # type: ignore[operator]
+
+
+def test_every_stage_has_a_python_dataclass_and_a_help_line():
+    from pykvcache import policy_help
+
+    text = policy_help()
+    classes = [UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
+               PromptSchedule, EverySchedule, DropFate, DensePrefill]
+    assert sorted(c.name for c in classes) == sorted(STAGES)
+    for c in classes:
+        assert f"  {c.name} " in text
+        # the dataclass fields are the stage's keys in the native help
+        line = next(x for x in text.splitlines() if x.startswith(f"  {c.name} ") and "(keys:" in x)
+        keys = line.rsplit("(keys: ", 1)[1].rstrip(")")
+        assert sorted(f.name for f in fields(c)) == sorted(k for k in keys.split(",") if k != "none")
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("snapkv+foo", ["unknown stage 'foo'", "uniform, pyramid, entropy"]),
+        ("snapkv+entropy+pyramid", ["two stages for the budget slot", "'entropy'", "'pyramid'"]),
+        ("snapkv+entropy:bogus=1", ["unknown key 'bogus'", "stage 'entropy'", "budget,min_layer,max_layer"]),
+        ("snapkv:budget=0.1+", ["empty stage", "accepted"]),
+        ("snapkv+window:pool=0", ["pool must be an odd width"]),
+        ("snapkv+entropy:min_layer=abc", ["'min_layer'", "'abc'", "integer"]),
+        ("sink_recent+pyramid:slope=2", ["slope"]),
+        ("h2o:budget=20+accumulated:n_recent=32", ["budget (20)", "always kept"]),
+        ("snapkv+entropy:budget=nan", ["budget"]),
+        ("none+prompt", ["schedule stage 'prompt'", "needs a score stage"]),
+    ],
+)
+def test_composition_errors_name_the_stage_or_key(spec, words):
+    with pytest.raises(PolicyError) as exc:
+        parse_policy(spec)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_stage_values_are_typed_in_python():
+    with pytest.raises(PolicyError, match="min_layer must be an integer"):
+        EntropyBudget(min_layer=2.5)  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match="pool must be an odd width"):
+        SnapKV(budget=0.1) + WindowScore(pool=4)
+
+
+def test_a_composition_runs_with_the_stage_it_names(model_path):
+    """SnapKV with entropy layer budgets allocates like the entropy preset; restating sink_recent as stages retains
+    exactly what the preset retains."""
+    prompt = PROSE * 6
+    snap = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=SnapKV(budget=96, chunk=64))
+    mixed = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="snapkv:budget=96,chunk=64+entropy")
+    tokens = snap.tokenize(prompt.encode())
+    assert len(tokens) > 300
+    for llm in (snap, mixed):
+        llm.eval(tokens)
+    assert snap.kv_memory().budgets == [96] * N_LAYER
+    b = mixed.kv_memory().budgets
+    assert len(set(b)) > 1 and abs(sum(b) - 96 * N_LAYER) <= N_LAYER  # entropy shares the same total budget
+    # each layer's cache holds its budget and the last chunk, placed after the eviction
+    used = [s.n_used for s in mixed.kv_stats().layers]
+    assert len({u - x for u, x in zip(used, b)}) == 1
+
+    preset = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=SinkRecent(n_sink=4, n_recent=60, chunk=64))
+    staged = Llama(model_path, n_ctx=1024, verbose=False,
+                   kv_policy="none+uniform:budget=64+recency:n_sink=4,n_recent=60+dense:chunk=64")
+    for llm in (preset, staged):
+        llm.eval(tokens)
+    assert np.array_equal(preset.kv_retained(), staged.kv_retained())
+    assert preset.kv_memory().bytes == staged.kv_memory().bytes
