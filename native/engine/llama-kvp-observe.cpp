@@ -426,6 +426,7 @@ public:
     ggml_tensor * ring_idx  = nullptr; // I64 [n_write]           ring slots of the last n_write tokens
     ggml_tensor * weights   = nullptr; // F32 [window, 1]         1/n_valid for valid window queries, else 0
     ggml_tensor * weights_h = nullptr; // F32 [1, window, n_head] the same weights, repeated per head
+    ggml_tensor * head_w    = nullptr; // F32 [1, n_head]         1/n_head (head mean of the mass)
 
     std::vector<llama_kvp_obs_cells> sets;
 };
@@ -519,6 +520,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     for (int32_t h = 0; h < st->n_head; ++h) {
         std::copy(w.begin(), w.end(), wh + (int64_t) h*W);
     }
+    std::fill((float *) head_w->data, (float *) head_w->data + st->n_head, 1.0f/st->n_head);
 
     const bool alibi = st->model.hparams.use_alibi;
 
@@ -645,6 +647,8 @@ void llama_kvp_graph_observe(
             inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
             ggml_set_input(inp->weights);
             ggml_set_input(inp->weights_h);
+            inp->head_w = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_head);
+            ggml_set_input(inp->head_w);
         }
         g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
     }
@@ -703,8 +707,8 @@ void llama_kvp_graph_observe(
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, mass, mass_dst));
 
     // decayed accumulation of the head-mean mass
-    ggml_tensor * mh = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, mass))); // [1, n_kv]
-    mh = ggml_scale(ctx0, ggml_reshape_1d(ctx0, mh, n_kv), 1.0f/n_head);
+    ggml_tensor * mh = ggml_out_prod(ctx0, mass, inp->head_w);                 // [n_kv, 1]
+    mh = ggml_reshape_1d(ctx0, mh, n_kv);
     ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
     ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, cells.keep), mh);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
