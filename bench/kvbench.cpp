@@ -113,7 +113,8 @@ static void kvbench_usage(const char * argv0) {
     printf("  -v, --verbose             show llama.cpp's log\n");
     printf("\nfigures: pp t/s and tg t/s (mean and sd over repetitions), KV bytes per layer and in total and their peak\n");
     printf("(from the ggml buffers), evicted cells per repetition, observation overhead (share of decode time that observing steps take\n");
-    printf("beyond the median plain step of the policy, or of full if every step observes), and ratios to full.\n");
+    printf("beyond the median plain step of the policy; if every step observes, beyond the median step of its physical limit,\n");
+    printf("or of full with --no-limit), and ratios to full.\n");
     printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
     printf("cache's decode speed at depth B (B tokens prefilled untimed, then n-gen tokens timed one by one, once per (B, n)\n");
     printf("in the run): `limit:d=B` rows (md; \"limits\" in json) and `x limit` = tg t/s / the limit's tg t/s.\n");
@@ -790,6 +791,14 @@ int main(int argc, char ** argv) {
             r.limit_depth = d;
             kvbench_mean_sd(l.tg_ts, r.limit_tg_ts, r.limit_tg_ts_sd);
             r.tg_limit_ratio = r.limit_tg_ts > 0 ? tg/r.limit_tg_ts : 0.0;
+            // a policy that observes every step: its overhead is measured against the limit's step (same depth)
+            if (r.t_plain <= 0.0 && l.t_plain > 0.0 && !r.t_obs_steps.empty()) {
+                double extra = 0.0;
+                for (double t : r.t_obs_steps) {
+                    extra += std::max(0.0, t - l.t_plain);
+                }
+                r.obs_overhead = r.t_gen > 0.0 ? extra/r.t_gen : 0.0;
+            }
             break;
         }
     }
