@@ -53,8 +53,34 @@ def test_kvbench_tiny_run_emits_valid_json_with_every_field(model_path):
     assert rows[5]["kv_layer_cells"] == [160] * 30  # PAD(n_sink + n_recent + chunk, 32)
 
 
+def test_kvbench_measures_the_physical_limit(model_path):
+    """The full cache at the depth of each policy's mean layer budget, in the same run, and x limit in every format."""
+    args = ["-p", "128", "-n", "4", "-r", "1", "-t", "2", "--policy", "sink_recent:n_sink=4,n_recent=60",
+            "--policy", "snapkv:budget=64,chunk=32+entropy", "--policy", "h2o:budget=0.5,n_recent=8,chunk=32"]
+    out = json.loads(kvbench(*args, "-o", "json", model_path=model_path).stdout)
+    rows = {r["label"]: r for r in out["results"]}
+    assert sorted(x["n_depth"] for x in out["limits"]) == [64]  # 64 tokens each; h2o: half of the 128-token prompt
+    lim = out["limits"][0]
+    assert lim["policy"] == "full" and lim["n_gen"] == 4 and lim["tg_ts"] > 0
+    assert rows["full"]["tg_limit_ratio"] == 0 and rows["full"]["limit_depth"] == 0
+    for label in ("sink_recent:n_sink=4,n_recent=60", "snapkv:budget=64,chunk=32+entropy",
+                  "h2o:budget=0.5,n_recent=8,chunk=32"):
+        r = rows[label]
+        assert r["limit_depth"] == 64
+        assert r["tg_limit_ratio"] == pytest.approx(r["tg_ts"] / lim["tg_ts"], rel=1e-3)
+    assert rows["h2o:budget=0.5,n_recent=8,chunk=32"]["n_obs_steps"] == 4  # every step observes
+
+    md = kvbench(*args, model_path=model_path).stdout
+    assert "| x limit |" in md and "| limit:d=64 |" in md
+    csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
+    assert csv[0].endswith("limit_depth,limit_tg_ts,tg_limit_ratio") and len(csv) == 5
+    none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
+    assert none["limits"] == [] and all(r["tg_limit_ratio"] == 0 for r in none["results"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unknown argument: --bogus"),
+    (["--policy", "snapkv+bogus"], "unknown stage 'bogus'"),
     (["-p", "abc"], "-p: expected integers"),
     (["-r", "0"], "-r: expected integers >= 1"),
     (["-o", "xml"], "expected md, json or csv"),
