@@ -71,7 +71,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' && [ -z "$(find "$CUDA_ROOT
 fi
 
 # the patched tree, configured for CUDA (the same CMakeLists as the Python build)
-BUILD="$CACHE/cuda-build"
+BUILD="$CACHE/cuda-build-$(printf %s "$ROOT" | md5sum | cut -c1-8)"  # one per checkout
 if ! command -v ninja >/dev/null 2>&1; then
     echo "check-cuda: needs ninja (pip install ninja)"; exit 1
 fi
