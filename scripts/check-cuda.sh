@@ -61,7 +61,8 @@ if [ ! -f "$CUDA_ROOT/include/cublas_v2.h" ] && [ ! -f "$CUDA_ROOT/targets/x86_6
         for f in "$WDIR"/lib/lib*.so.*; do ln -sf "$(basename "$f")" "${f%%.so.*}.so"; done
     fi
     CMAKE_EXTRA+=("-DCMAKE_CUDA_FLAGS=-I$WDIR/include" "-DCMAKE_CXX_FLAGS=-I$WDIR/include"
-                  "-DCUDA_cublas_LIBRARY=$WDIR/lib/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$WDIR/lib/libcublasLt.so")
+                  "-DCUDA_cublas_LIBRARY=$WDIR/lib/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$WDIR/lib/libcublasLt.so"
+                  "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$WDIR/lib" "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath-link,$WDIR/lib")
 fi
 
 # without the driver library (no GPU here, no stubs in the toolkit) ggml cannot link its VMM pool: build without it
