@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, ClassVar, Dict, Tuple, Type
 
 from ._native import last_error, native
@@ -84,6 +85,11 @@ class Policy:
 
     def describe(self) -> Dict[str, Any]:
         """Return the preset, the stage of each slot and the observes/retains/guides flags."""
+        return dict(self._desc, stages=dict(self._desc["stages"]))
+
+    @cached_property
+    def _desc(self) -> Dict[str, Any]:
+        # once per (immutable) policy object: Llama.eval reads the flags at every call
         ffi, lib = native()
         d = ffi.new("struct llama_kvp_policy_desc *")
         if lib.llama_kvp_policy_describe(self.to_native(), d) != 0:
@@ -95,17 +101,17 @@ class Policy:
     @property
     def observes(self) -> bool:
         """Whether the policy computes in-graph attention observations (telemetry)."""
-        return self.describe()["observes"]
+        return self._desc["observes"]
 
     @property
     def retains(self) -> bool:
         """Whether the policy keeps one budgeted KV cache per layer (evicts tokens)."""
-        return self.describe()["retains"]
+        return self._desc["retains"]
 
     @property
     def guides(self) -> bool:
         """Whether prompt chunks are scored by the prompt's end run behind them (guided prefill)."""
-        return self.describe()["guides"]
+        return self._desc["guides"]
 
     def __add__(self, stage: "Stage") -> "Composed":
         if not isinstance(stage, Stage):

@@ -29,8 +29,8 @@ public:
             return false;
         }
         bool res = true;
+        llm_graph_params lp = params; // one copy, pointed at each layer's context in turn
         for (size_t ikv = 0; ikv < per_layer.size(); ++ikv) {
-            llm_graph_params lp = params;
             lp.mctx = pctx->layer_ctx((int32_t) ikv);
             res = per_layer[ikv]->can_reuse(lp) && res; // also points the layer input at the layer's new context
         }

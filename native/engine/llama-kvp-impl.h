@@ -128,8 +128,8 @@ struct llama_kvp_context {
     // does a graph for this ubatch (of a decode call split into n_ubatches) include the observation nodes?
     bool want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const;
 
-    // does that observation also compute the attention entropy
-    bool want_entropy(const llama_ubatch & ubatch, size_t n_ubatches) const;
+    // does that observation (obs: want_obs of the same ubatch) also compute the attention entropy
+    bool want_entropy(bool obs, const llama_ubatch & ubatch, size_t n_ubatches) const;
 };
 
 // read access to the private parts of llama_kv_cache (a friend of it, see patch 0003)

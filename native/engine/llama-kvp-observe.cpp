@@ -388,10 +388,10 @@ bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches)
     return schedule && schedule->observe_step(policy, n_decode);
 }
 
-bool llama_kvp_context::want_entropy(const llama_ubatch & ubatch, size_t n_ubatches) const {
+bool llama_kvp_context::want_entropy(bool obs, const llama_ubatch & ubatch, size_t n_ubatches) const {
     // budgets and telemetry need it; the decode steps of a retention policy only refresh the scores (the mass),
     // unless an observation was asked for
-    return want_obs(ubatch, n_ubatches) && (!mem || ubatch.n_tokens > 1 || n_ubatches > 1 || obs_requested);
+    return obs && (!mem || ubatch.n_tokens > 1 || n_ubatches > 1 || obs_requested);
 }
 
 //
@@ -455,7 +455,7 @@ llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_
 bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
     const size_t n_ubatches = llama_kvp_kv_access::n_ubatches(params.mctx);
     const bool obs_now = st->want_obs(params.ubatch, n_ubatches);
-    if (params.ubatch.n_tokens != n_tokens || obs_now != obs || st->want_entropy(params.ubatch, n_ubatches) != ent) {
+    if (params.ubatch.n_tokens != n_tokens || obs_now != obs || st->want_entropy(obs_now, params.ubatch, n_ubatches) != ent) {
         return false;
     }
     // every set must cover as many cells of the same cache (the per-layer memory's input checks reallocations)
@@ -636,8 +636,8 @@ void llama_kvp_graph_observe(
     // one input object per graph, shared by the layers
     if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens) {
         st->n_steps_call = llama_kvp_kv_access::n_ubatches(gctx.mctx);
-        auto inp = std::make_unique<llama_kvp_obs_input>(st, st->want_obs(gctx.ubatch, st->n_steps_call),
-                st->want_entropy(gctx.ubatch, st->n_steps_call), n_tokens);
+        const bool obs = st->want_obs(gctx.ubatch, st->n_steps_call);
+        auto inp = std::make_unique<llama_kvp_obs_input>(st, obs, st->want_entropy(obs, gctx.ubatch, st->n_steps_call), n_tokens);
 
         const int64_t n_write = std::min<int64_t>(W, n_tokens);
         inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
