@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Generator, Optional, Sequence
 
 import numpy as np
 
@@ -118,6 +118,26 @@ class Llama(llama_cpp.Llama):
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
         super().eval(tokens)
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
+        """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact."""
+        pol = self._kv_policy
+        if pol is not None and pol.retains and kwargs.get("reset", True) and self.n_tokens > 0:
+            self._kv_reuse_prefix(list(tokens))
+        return (yield from super().generate(tokens, *args, **kwargs))
+
+    def _kv_reuse_prefix(self, tokens: list) -> None:
+        # llama-cpp-python keeps the longest common prefix of the cache and the prompt; over a cache a policy has
+        # pruned, the native side keeps only the part a fresh evaluation would reach (docs/ARCHITECTURE.md)
+        n_common = self.longest_token_prefix(self._input_ids, tokens)
+        consumed = n_common == len(tokens)
+        if consumed and self.n_tokens == len(tokens) and not self._requires_eval:
+            return  # the state right after this very prompt, with its logits: llama-cpp-python samples from it
+        _, lib = native()
+        n = lib.llama_kvp_prompt_reuse(self._native_ctx(), len(tokens), n_common - 1 if consumed else n_common)
+        if n < 0:
+            raise RuntimeError(last_error())
+        self.n_tokens = n
 
     def kv_observe_next(self) -> None:
         """Make the next single-token decode step observe attention, whatever the policy's `every` says."""

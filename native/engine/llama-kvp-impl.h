@@ -109,7 +109,7 @@ struct llama_kvp_context {
     int32_t n_obs_folded  = 0; // of those, folded into ent_sum
 
     int32_t n_steps       = 0; // ubatches processed
-    int32_t n_decode      = 0; // single-token ubatches processed
+    int32_t n_decode      = 0; // single-token ubatches processed since the cache was last emptied or restarted
     int32_t n_obs         = 0; // observations made
     int32_t n_kv_obs      = 0; // cells covered by the last observation
     int32_t n_queries_obs = 0; // valid window queries of the last observation
@@ -208,8 +208,11 @@ void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const s
 // KV layer ikv was reallocated with n_cells cells; remap[new cell] = old cell or -1
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap);
 
-// forget scores and prompt entropies (the cache was cleared)
+// forget scores and prompt entropies and restart the decode schedule (the cache was cleared or a prompt restarts)
 void llama_kvp_obs_reset(llama_kvp_context * st);
+
+// forget the window queries in the ring (a loaded state does not hold them)
+void llama_kvp_obs_forget_queries(llama_kvp_context * st);
 
 // forget the scores of the cells of KV layer ikv that hold positions [p0, p1) (p < 0: unbounded), before a seq_rm
 void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1);

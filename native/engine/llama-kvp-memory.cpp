@@ -19,7 +19,7 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 2; // 2: the stages of the policy follow the header
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 3; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -176,6 +176,11 @@ bool llama_kvp_memory::set_prompt_len(int32_t n) {
             return false;
         }
     }
+    restart_budgets(n);
+    return true;
+}
+
+void llama_kvp_memory::restart_budgets(int32_t n) {
     n_prompt = n;
     const uint32_t b_new = resolve_budget(n);
     if (b_new != budget || budgets_set) {
@@ -189,7 +194,6 @@ bool llama_kvp_memory::set_prompt_len(int32_t n) {
             }
         }
     }
-    return true;
 }
 
 void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
@@ -282,6 +286,11 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
         for (size_t j = n_topk; j < mid.size(); ++j) {
             leaving.push_back(cells[mid[j]].idx);
         }
+        llama_pos p_min = LLAMA_KVP_POS_ALL;
+        for (size_t j = n_topk; j < mid.size(); ++j) {
+            p_min = std::min(p_min, cells[mid[j]].pos);
+        }
+        pos_exact = std::min({ pos_exact, pos_end, p_min });
         stage_fate->leave(kv, leaving);
         L.n_evicted += (int64_t) leaving.size();
         n_evicted   += (int64_t) leaving.size();
@@ -374,6 +383,8 @@ void llama_kvp_memory::clear(bool data) {
     for (auto & L : layers) {
         L.kv->clear(data);
     }
+    pos_end   = 0;
+    pos_exact = LLAMA_KVP_POS_ALL;
     budgets_set = false;
     if (st) {
         llama_kvp_obs_reset(st);
@@ -387,6 +398,14 @@ bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
             llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
         }
         res = layers[i].kv->seq_rm(seq_id, p0, p1) && res;
+    }
+    // a truncation moves the logical end back; removing a middle range leaves a hole in the exact prefix
+    const llama_pos a = std::max<llama_pos>(p0, 0);
+    if (p1 < 0 || p1 >= pos_end) {
+        pos_end   = std::min(pos_end, a);
+        pos_exact = pos_exact >= a ? LLAMA_KVP_POS_ALL : pos_exact;
+    } else if (a < p1) {
+        pos_exact = std::min(pos_exact, a);
     }
     if (seq_pos_max(seq_id) < 0) {
         budgets_set = false;
@@ -441,11 +460,9 @@ llama_pos llama_kvp_memory::seq_pos_min(llama_seq_id seq_id) const {
 }
 
 llama_pos llama_kvp_memory::seq_pos_max(llama_seq_id seq_id) const {
-    llama_pos res = -1;
-    for (const auto & L : layers) {
-        res = std::max(res, L.kv->seq_pos_max(seq_id));
-    }
-    return res;
+    // the logical end, not the last cell held: the next token goes at pos_end whatever the policy evicted
+    GGML_UNUSED(seq_id);
+    return pos_end - 1;
 }
 
 std::map<ggml_backend_buffer_type_t, size_t> llama_kvp_memory::memory_breakdown() const {
@@ -467,6 +484,8 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
         stages[slot] = (uint32_t) policy.stage[slot];
     }
     io.write(stages, sizeof(stages));
+    const llama_pos ends[2] = { pos_end, pos_exact };
+    io.write(ends, sizeof(ends));
     for (const auto & L : layers) {
         const uint32_t lb[2] = { L.budget, L.capacity };
         io.write(lb, sizeof(lb));
@@ -523,8 +542,15 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
     if (hdr[4] == 0 || hdr[4] > cparams.n_ctx_seq) {
         throw std::runtime_error("pykvcache: the saved budget " + std::to_string(hdr[4]) + " does not fit this context");
     }
-    budget   = hdr[4];
-    n_prompt = (int32_t) hdr[5];
+    llama_pos ends[2] = {};
+    io.read(ends, sizeof(ends));
+    if (ends[0] < 0 || ends[1] < 0) {
+        throw std::runtime_error("pykvcache: corrupt sequence end in the state");
+    }
+    budget    = hdr[4];
+    n_prompt  = (int32_t) hdr[5];
+    pos_end   = ends[0];
+    pos_exact = ends[1];
     std::vector<uint32_t> lb(2*layers.size());
     io.read(lb.data(), lb.size()*sizeof(uint32_t));
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -534,6 +560,7 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
     }
     if (st) {
         llama_kvp_obs_reset(st);
+        llama_kvp_obs_forget_queries(st); // the window queries are not in the state
     }
     for (size_t i = 0; i < layers.size(); ++i) {
         auto & L = layers[i];
@@ -603,6 +630,9 @@ bool llama_kvp_memory_context::apply() {
         auto ctx = std::make_unique<llama_kv_cache_context>(L.kv.get(), std::move(sinfos), std::move(ubs));
         ctx->apply();
         ctxs.push_back(std::move(ctx));
+    }
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        mem->pos_end = std::max(mem->pos_end, ubatch.pos[i] + 1);
     }
     return true;
 }

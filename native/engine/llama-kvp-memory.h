@@ -12,8 +12,12 @@
 #include "llama-kv-cache.h"
 #include "llama-memory.h"
 
+#include <limits>
 #include <memory>
 #include <vector>
+
+// a position past every position (pos_exact of a cache that has evicted nothing)
+static constexpr llama_pos LLAMA_KVP_POS_ALL = std::numeric_limits<llama_pos>::max();
 
 struct llama_kvp_mem_layer {
     int32_t  il       = -1; // model layer index
@@ -68,6 +72,11 @@ public:
     // before a new prompt: resolve a fractional budget against the prompt length; false if the cache is not empty
     bool set_prompt_len(int32_t n_prompt);
 
+    // prefix reuse (llama-kvp-reuse.cpp): keeps the longest prefix, of at most n_want positions, whose state is the
+    // one a fresh evaluation of a new prompt of n_prompt tokens reaches there, removes the rest and restarts the
+    // policy for that prompt; returns the positions kept (0: the cache was emptied, evaluate the prompt afresh)
+    int32_t reuse_prefix(int32_t n_prompt, int32_t n_want);
+
     // make room for a ubatch of n_tokens in every layer: evict down to the budgets (deciding entropy budgets first)
     void prepare_ubatch(uint32_t n_tokens);
 
@@ -104,8 +113,16 @@ public:
     int32_t n_budget   = 0;
     bool    budgets_set = false; // entropy: budgets decided from an observation
 
+    // the sequence's logical end (one past the last position placed), apart from the cells held: a truncation
+    // (seq_rm p0..end) leaves the positions consistent even where the policy had evicted p0 - 1
+    llama_pos pos_end   = 0;
+    // positions [0, pos_exact) are held by every layer with the K/V a full cache holds (nothing had been evicted when
+    // they were computed); LLAMA_KVP_POS_ALL while nothing was evicted
+    llama_pos pos_exact = LLAMA_KVP_POS_ALL;
+
 private:
     uint32_t resolve_budget(int32_t n_prompt) const;
+    void     restart_budgets(int32_t n_prompt); // the fixed budgets of a prompt of n_prompt tokens (cells stay)
     void     set_budgets(const std::vector<uint32_t> & b); // also resizes the caches
 
     // per-layer budgets before anything is observed (the budget stage)

@@ -823,12 +823,18 @@ void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const s
 
 void llama_kvp_obs_reset(llama_kvp_context * st) {
     std::fill(st->ent_sum.begin(), st->ent_sum.end(), 0.0);
-    st->n_ent        = 0;
-    st->n_obs_folded = st->n_obs_prompt;
+    st->n_ent         = 0;
+    st->n_obs_folded  = st->n_obs_prompt;
+    st->n_decode      = 0; // the `every` schedule counts from the prompt, as in a new context
+    st->obs_requested = false;
     for (auto & L : st->layers) {
         std::fill(L.cell_pos_obs.begin(), L.cell_pos_obs.end(), -2);
         L.n_kv_obs = 0;
     }
+}
+
+void llama_kvp_obs_forget_queries(llama_kvp_context * st) {
+    std::fill(st->slot_pos.begin(), st->slot_pos.end(), -1);
 }
 
 void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1) {

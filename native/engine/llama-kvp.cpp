@@ -256,6 +256,22 @@ int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt) {
     return 0;
 }
 
+int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int32_t n_want) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (n_prompt < 0 || n_want < 0) {
+        llama_kvp_set_error("prompt_reuse: need n_prompt >= 0 and n_want >= 0");
+        return -1;
+    }
+    ctx->synchronize();
+    return mem->reuse_prefix(n_prompt, n_want);
+}
+
 int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0) {
     if (!llama_kvp_check_ctx(ctx)) {
         return -1;

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 4
+#define LLAMA_KVP_API_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -214,6 +214,12 @@ struct llama_kvp_layer_budget {
 
 // before a new prompt (cache empty): resolves a fractional budget against n_prompt and resizes the layer caches
 int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
+
+// before a new prompt of n_prompt tokens on a cache that holds a previous sequence whose first n_want tokens equal the
+// prompt's: keeps the longest prefix (<= n_want) whose state is the one a fresh evaluation of the prompt reaches
+// there, removes the rest and restarts the policy for the prompt (budgets, scores, decode schedule). Returns the
+// positions kept: the caller evaluates the prompt from there (0: the cache is empty, evaluate it all).
+int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int32_t n_want);
 
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
 

@@ -1,0 +1,59 @@
+// llama-kvp-reuse.cpp - prefix reuse over a lossy cache: what a new prompt may keep of the cache a previous call left.
+//
+// llama-cpp-python (and llama-server) keep the longest common token prefix of the cached sequence and the new prompt
+// and evaluate only the rest. A full cache holds that prefix as a fresh evaluation would; a retention policy's cache
+// may not: tokens of the prefix may have been evicted, tokens computed after an eviction saw a pruned context, and the
+// policy's scores, budgets and schedule were made for the previous prompt. Here a prefix is kept only as far as it is
+// exactly the state a fresh evaluation of the new prompt reaches at that point; the rest is evaluated again:
+//
+//   - every layer holds every position of the prefix, computed before anything was evicted (pos_exact);
+//   - a fresh evaluation of the new prompt evicts nothing before its end (the prompt fits in the smallest budget),
+//     so the prefix's cells are all it would hold;
+//   - a policy that observes makes its first decision from one observation of the prompt's last `window` queries
+//     over all of its cells: the fresh prompt is one ubatch, and the queries of the prefix positions in that window
+//     are still in the query ring (the suffix of at least one more token is evaluated as a prompt batch);
+//
+// and the policy restarts as for a new prompt: budgets resolved against the new prompt's length, scores, entropies
+// and the decode schedule forgotten. Anything else is evaluated afresh from an empty cache.
+
+#include "llama-kvp-impl.h"
+#include "llama-kvp-memory.h"
+
+#include <algorithm>
+
+int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
+    llama_pos r = std::min({ (llama_pos) n_want, (llama_pos) n_prompt - 1, pos_end, pos_exact });
+
+    // a fresh evaluation of the prompt must not evict before its end
+    const auto b = fixed_budgets(resolve_budget(n_prompt));
+    for (uint32_t bl : b) {
+        if ((uint32_t) n_prompt > bl) {
+            r = 0;
+        }
+    }
+
+    if (st && st->observing() && r > 0) {
+        const uint32_t n_ub = std::min({ chunk, cparams.n_ubatch, cparams.n_batch });
+        r = (uint32_t) n_prompt <= n_ub ? std::min<llama_pos>(r, n_prompt - 2) : 0;
+
+        const int32_t W = (int32_t) st->slot_pos.size();
+        for (llama_pos p = std::max(0, n_prompt - W); p < r; ++p) {
+            if (st->slot_pos[p % W] != p) {
+                r = p;
+                break;
+            }
+        }
+    }
+
+    if (r <= 0) {
+        seq_rm(-1, 0, -1);
+        return 0;
+    }
+
+    seq_rm(-1, r, -1);
+    restart_budgets(n_prompt);
+    if (st) {
+        llama_kvp_obs_reset(st);
+    }
+    return (int32_t) r;
+}

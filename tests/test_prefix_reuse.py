@@ -1,0 +1,115 @@
+"""Prefix reuse over a pruned cache: every call sequence gives what fresh contexts give, the cache is reused where that
+is exact, a truncation into evicted positions keeps them consistent, and states round-trip (issue 17)."""
+
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+from conftest import PROSE
+
+from pykvcache import Llama
+
+# small budgets: the prompts below are longer than every budget, so every policy evicts
+POLICIES = [
+    "sink_recent:n_sink=4,n_recent=12",
+    "snapkv:budget=16,window=8",
+    "h2o:budget=16,n_recent=8",
+    "pyramid:budget=16,window=8",
+    "entropy:budget=16,n_recent=8",
+]
+
+FOX = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+CALLS = [
+    (FOX, 6),
+    (FOX, 6),                                                    # the same prompt again (issue 17, second failure)
+    ("The capital of france is paris, 'true' or 'false'?:\n", 4),
+    ("The capital of france is par", 4),                         # a prefix of the previous prompt (first failure)
+    (PROSE, 6),
+    (PROSE + " The mission was", 6),                             # extends the previous prompt
+    ("The capital of france is", 3),
+]
+
+
+def completion(llm, prompt, n):
+    return llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]
+
+
+def counting(llm):
+    """Wrap llm.eval to record how many tokens each call evaluates."""
+    counts = []
+    inner = llm.eval
+
+    def ev(tokens):
+        counts.append(len(tokens))
+        inner(tokens)
+
+    llm.eval = ev
+    return counts
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_call_sequence_equals_fresh_contexts(model_path, policy):
+    llm = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    for prompt, n in CALLS:
+        fresh = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+        assert completion(llm, prompt, n) == completion(fresh, prompt, n), (policy, prompt)
+        fresh.close()
+    assert llm.kv_memory().n_evicted > 0
+
+
+@pytest.mark.parametrize("policy", ["sink_recent:n_sink=4,n_recent=60", "snapkv:budget=64,window=8",
+                                    "entropy:budget=64,n_recent=8"])
+def test_exact_prefix_is_reused(model_path, policy):
+    llm = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    first = completion(llm, FOX, 4)
+    assert llm.kv_memory().n_evicted == 0
+    counts = counting(llm)
+    prompt = FOX + " jumps over"
+    n_prompt = len(llm.tokenize(prompt.encode()))
+    out = completion(llm, prompt, 4)
+    assert counts[0] < n_prompt  # a prefix was kept: llama-cpp-python's reuse, on a cache nothing was evicted from
+    fresh = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    assert completion(fresh, FOX, 4) == first
+    assert completion(fresh, prompt, 4) == out  # a fresh context after the same calls
+    fresh2 = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    assert completion(fresh2, prompt, 4) == out  # a fresh context with this prompt alone
+
+
+def test_pruned_prefix_is_evaluated_again(model_path):
+    llm = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy="snapkv:budget=16,window=8")
+    completion(llm, PROSE, 6)
+    assert llm.kv_memory().n_evicted > 0
+    counts = counting(llm)
+    prompt = PROSE + " The mission was"
+    completion(llm, prompt, 2)
+    assert counts[0] == len(llm.tokenize(prompt.encode()))
+
+
+def test_truncation_into_evicted_positions_continues(model_path):
+    llm = Llama(model_path, n_ctx=64, n_batch=8, verbose=False, kv_policy="sink_recent:n_sink=4,n_recent=12")
+    tokens = llm.tokenize(PROSE.encode())[:40]
+    llm.eval(tokens)
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 39
+    held = llm.kv_retained().any(axis=0)
+    p = next(p for p in range(5, 40) if not held[p - 1])  # a truncation point just past an evicted position
+    assert llama_cpp.llama_memory_seq_rm(mem, 0, p, -1)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p - 1  # the sequence's end, not the last cell held
+    llm.n_tokens = p
+    llm.eval(tokens[p:p + 10])  # llama.cpp checks that the batch starts at the sequence's end
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p + 9
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_state_round_trips_through_the_same_calls(model_path, policy):
+    llm = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    completion(llm, PROSE, 8)
+    state = llm.save_state()
+    follow = PROSE + " The mission was"
+    x = [completion(llm, follow, 6), completion(llm, FOX, 4)]
+    llm.load_state(state)
+    y = [completion(llm, follow, 6), completion(llm, FOX, 4)]
+    other = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    other.load_state(state)
+    z = [completion(other, follow, 6), completion(other, FOX, 4)]
+    assert x == y == z

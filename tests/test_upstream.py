@@ -1,0 +1,70 @@
+"""llama-cpp-python 0.3.36's own tests (from the sdist the build downloads) run on pykvcache.Llama, without a policy
+and with every policy at a small budget. Only the model-specific expected strings are edited
+(tests/upstream/llama-cpp-python-0.3.36.patch); tests/upstream/upstream_conftest.py swaps the hub models for the
+embedded one and skips, with their reason, the tests of model kinds pykvcache does not embed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+VERSION = "0.3.36"
+HERE = Path(__file__).parent / "upstream"
+SDIST = f"llama_cpp_python-{VERSION}"
+
+# llama-cpp-python's tests use n_ctx 32 or 64: budgets of 16 tokens make every policy evict in them
+POLICIES = [
+    "none",
+    "sink_recent:n_sink=4,n_recent=12",
+    "snapkv:budget=16,window=8",
+    "h2o:budget=16,n_recent=8",
+    "pyramid:budget=16,window=8",
+    "entropy:budget=16,n_recent=8",
+]
+
+# tests that need a model kind pykvcache does not embed (the hub is never used): skipped, with the reason
+N_SKIPPED = 11
+N_PASSED = 15
+
+
+def sdist_tarball() -> Path:
+    root = Path(os.environ.get("PYKVCACHE_CACHE_DIR", Path.home() / ".cache" / "pykvcache"))
+    return root / "sdist" / f"{SDIST}.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def upstream_tests(tmp_path_factory) -> Path:
+    """The sdist's tests/ (and the vocab model they read) unpacked, patched, with our conftest beside them."""
+    tgz = sdist_tarball()
+    if not tgz.is_file():
+        pytest.skip(f"the llama-cpp-python {VERSION} sdist is not in the build cache ({tgz}): built from LLAMA_CPP_SOURCE_DIR?")
+    root = tmp_path_factory.mktemp("upstream")
+    vocab = f"{SDIST}/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf"
+    with tarfile.open(tgz) as t:
+        members = [m for m in t.getmembers() if m.name.startswith(f"{SDIST}/tests/") or m.name == vocab]
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(root, members=members, filter="data")
+        else:  # Python < 3.11.4: the members are the sdist's tests/ and one model file
+            t.extractall(root, members=members)
+    src = root / SDIST
+    subprocess.run(["patch", "-p1", "-s", "-i", str(HERE / f"llama-cpp-python-{VERSION}.patch")], cwd=src, check=True)
+    shutil.copy(HERE / "upstream_conftest.py", src / "tests" / "conftest.py")
+    return src
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_llama_cpp_python_suite(upstream_tests, policy):
+    env = dict(os.environ, PYKVCACHE_TEST_POLICY=policy)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
+        cwd=upstream_tests, env=env, capture_output=True, text=True, timeout=900,
+    )
+    tail = res.stdout[-4000:] + res.stderr[-2000:]
+    assert res.returncode == 0, tail
+    assert f"{N_PASSED} passed, {N_SKIPPED} skipped" in res.stdout, tail
