@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
                                "by default (--random: random tokens).")
 
+    sub.add_parser("serve", add_help=False, help="OpenAI-compatible server with a KV policy; see `pykvcache serve --help`",
+                   description="llama-cpp-python's server on pykvcache: its flags, plus --kv-policy and GET /v1/kv/stats.")
+
     e = sub.add_parser("eval", help="fidelity of policies vs the full cache: KL/top-1, needles, greedy agreement",
                        description="Teacher-forced KL and top-1 while real prose streams in, needle retrieval over "
                                    "lengths x depths, greedy agreement; writes eval.json, eval.md and PNG plots.")
@@ -216,6 +219,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .server import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     from .evaluate import EvalError
     from .policies import PolicyError

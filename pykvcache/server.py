@@ -1,0 +1,183 @@
+"""`pykvcache serve`: llama-cpp-python's OpenAI-compatible server running pykvcache's `Llama` with a KV policy.
+
+Everything of `python -m llama_cpp.server` works as there (its flags, its config file, chat and text completions,
+streaming, chat templates); added are `--kv-policy SPEC` (and a `kv_policy` key per model in the config file) and
+`GET /v1/kv/stats`, the KV memory and a telemetry summary of the loaded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
+from .llama import Llama, default_model_path
+from .policies import PolicyError, as_policy
+
+try:
+    import llama_cpp
+    import llama_cpp.server.app as server_app
+    import uvicorn
+    from fastapi import Depends
+    from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from pydantic import Field, ValidationError, field_validator
+except ImportError as exc:  # pragma: no cover - depends on the extra
+    raise ImportError(f"pykvcache serve needs the server extra: pip install 'pykvcache[server]' ({exc})") from exc
+
+
+class KVModelSettings(ModelSettings):
+    """llama-cpp-python's model settings plus the KV policy (the model defaults to the embedded SmolLM2)."""
+
+    model: str = Field(default_factory=default_model_path, description="Path to the GGUF model (default: the "
+                       "embedded SmolLM2-135M-Instruct Q4_1).")
+    kv_policy: Optional[str] = Field(default=None, description="KV-cache policy spec, e.g. 'entropy:budget=0.1' or "
+                                     "'snapkv:budget=512+entropy' (default: llama.cpp's own cache); `pykvcache "
+                                     "policies` lists them.")
+
+    @field_validator("kv_policy")
+    @classmethod
+    def _check_policy(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None or v.strip().lower() in ("", "none", "full") else as_policy(v).spec()
+
+
+class KVSettings(ServerSettings, KVModelSettings):
+    """Server and model settings of `pykvcache serve`."""
+
+
+class KVConfigFileSettings(ServerSettings):
+    """The config file of `pykvcache serve`: llama-cpp-python's, with `kv_policy` accepted per model."""
+
+    models: List[KVModelSettings] = Field(default=[], description="Model configs")
+
+
+class KVLlamaProxy(LlamaProxy):
+    """llama-cpp-python's model proxy, loading pykvcache's `Llama` with each model's policy."""
+
+    @staticmethod
+    def load_llama_from_model_settings(settings: ModelSettings) -> llama_cpp.Llama:
+        """Load one model as llama-cpp-python's server does, as a pykvcache `Llama` with the model's policy."""
+        if settings.hf_model_repo_id is not None:
+            raise ValueError("pykvcache serve loads local GGUF files: hf_model_repo_id is not supported")
+        saved = llama_cpp.Llama
+        llama_cpp.Llama = functools.partial(Llama, kv_policy=getattr(settings, "kv_policy", None))
+        try:
+            return LlamaProxy.load_llama_from_model_settings(settings)
+        finally:
+            llama_cpp.Llama = saved
+
+
+def kv_stats_of(llama: Llama) -> Dict[str, Any]:
+    """KV memory (now, peak, per layer) and a telemetry summary of one loaded model, as JSON-ready values."""
+    pol = llama.kv_policy
+    stats = llama.kv_stats()
+    res: Dict[str, Any] = {
+        "policy": pol.spec() if pol is not None else None,
+        "n_ctx": llama.n_ctx(),
+        "n_tokens": int(llama.n_tokens),
+        "kv_bytes": stats.total_bytes,
+        "layers": [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used, "bytes": s.k_bytes + s.v_bytes}
+                   for s in stats.layers],
+    }
+    if pol is not None and pol.retains:
+        mem = llama.kv_memory()
+        res["kv_bytes_peak"] = mem.bytes_peak
+        res["budget"] = mem.budget
+        res["n_evicted"] = mem.n_evicted
+        for row, b in zip(res["layers"], mem.layers):
+            row["budget"] = b.budget
+            row["entropy"] = b.entropy
+            row["n_evicted"] = b.n_evicted
+    if pol is not None and pol.observes:
+        tel = llama.kv_telemetry()
+        res["telemetry"] = {"n_obs": tel.n_obs, "window": tel.window,
+                            "entropy_per_layer": [float(x) for x in tel.entropy.mean(axis=1)]}
+    return res
+
+
+def add_kv_routes(app: Any) -> None:
+    """Add `GET /v1/kv/stats` to a llama-cpp-python server app."""
+
+    @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
+             dependencies=[Depends(server_app.authenticate)])
+    async def kv_stats(llama_proxy: LlamaProxy = Depends(server_app.get_llama_proxy)) -> Dict[str, Any]:
+        models = []
+        for alias in llama_proxy:
+            loaded = alias == llama_proxy._current_model_alias and llama_proxy._current_model is not None
+            entry: Dict[str, Any] = {"model": alias, "loaded": loaded}
+            if loaded:
+                entry.update(kv_stats_of(llama_proxy._current_model))
+            else:
+                entry["policy"] = llama_proxy[alias].get("kv_policy")
+            models.append(entry)
+        return {"object": "list", "data": models}
+
+
+def create_app(server_settings: ServerSettings, model_settings: List[KVModelSettings]) -> Any:
+    """The llama-cpp-python server app on pykvcache: every model loaded with its KV policy, plus /v1/kv/stats."""
+    server_app.LlamaProxy = KVLlamaProxy
+    app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    add_kv_routes(app)
+    return app
+
+
+def load_settings(args: argparse.Namespace) -> tuple:
+    """Server and model settings from the command line or from the config file it names."""
+    config_file = os.environ.get("CONFIG_FILE", args.config_file)
+    if config_file:
+        if not os.path.exists(config_file):
+            raise ValueError(f"config file {config_file} not found")
+        with open(config_file, "rb") as f:
+            if config_file.endswith((".yaml", ".yml")):
+                import json
+
+                import yaml
+
+                cfg = KVConfigFileSettings.model_validate_json(json.dumps(yaml.safe_load(f)))
+            else:
+                cfg = KVConfigFileSettings.model_validate_json(f.read())
+        return ServerSettings.model_validate(cfg), cfg.models or [KVModelSettings()]
+    return parse_model_from_args(ServerSettings, args), [parse_model_from_args(KVModelSettings, args)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of llama-cpp-python's server, `--kv-policy` and `--config_file`."""
+    parser = argparse.ArgumentParser(
+        prog="pykvcache serve",
+        description="OpenAI-compatible server (llama-cpp-python's) on pykvcache: chat and text completions with a KV "
+                    "policy, plus GET /v1/kv/stats. Flags as `python -m llama_cpp.server`.",
+    )
+    add_args_from_model(parser, KVSettings)
+    parser.add_argument("--kv-policy", dest="kv_policy", type=str, help="same as --kv_policy")
+    parser.add_argument("--config_file", type=str, help="a llama-cpp-python server config file (JSON or YAML); "
+                        "each model may have a kv_policy key")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the server until interrupted."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        server_settings, model_settings = load_settings(args)
+        app = create_app(server_settings, model_settings)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", exc)).removeprefix("Value error, ")
+        print(f"pykvcache serve: error: {where}: {msg}" if where else f"pykvcache serve: error: {msg}", file=sys.stderr)
+        return 2
+    except (PolicyError, ValueError, FileNotFoundError) as exc:
+        print(f"pykvcache serve: error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=os.getenv("HOST", server_settings.host), port=int(os.getenv("PORT", server_settings.port)),
+                ssl_keyfile=server_settings.ssl_keyfile, ssl_certfile=server_settings.ssl_certfile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`pykvcache serve` with the `openai` client: chat and text completions, streaming and not, KV stats, bad input, a
+client that disconnects, a config file with a policy per model, and a short load run (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
+pytest.importorskip("uvicorn", reason="the server tests need pykvcache[server]")
+
+POLICY = "entropy:budget=64"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args, tmp_path: Path, port: int = 0):
+    """Start `python -m pykvcache.server` on a free local port; returns (process, base url)."""
+    port = port or free_port()
+    log = open(tmp_path / f"server-{port}.log", "w")
+    if "--config_file" not in args:
+        args = ["--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen([sys.executable, "-m", "pykvcache.server", *args], cwd="/", stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(tmp_path / f'server-{port}.log').read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def kv_stats(url):
+    return json.load(urllib.request.urlopen(url + "/v1/kv/stats", timeout=30))["data"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = start(["--kv-policy", POLICY, "--n_ctx", "2048", "--interrupt_requests", "false"],
+                      tmp_path_factory.mktemp("server"))
+    yield url
+    stop(proc)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content
+    stream = client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text and streamed == text
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    full = client.completions.create(model="m", prompt="The capital of France is", max_tokens=8, temperature=0)
+    stream = client.completions.create(model="m", prompt="The capital of France is", max_tokens=8, temperature=0,
+                                       stream=True)
+    assert full.choices[0].text and "".join(ch.choices[0].text for ch in stream) == full.choices[0].text
+
+
+def test_kv_stats_show_the_policy_bounding_memory(client, server):
+    from conftest import PROSE
+
+    client.completions.create(model="m", prompt=PROSE * 6, max_tokens=4, temperature=0)  # ~400 tokens > budget
+    (m,) = kv_stats(server)
+    assert m["loaded"] and m["policy"].startswith("entropy:") and m["budget"] == 64
+    assert m["n_tokens"] > 300 and m["n_evicted"] > 0
+    assert all(row["n_used"] <= row["budget"] + 1 for row in m["layers"])
+    # every layer's buffers stay far below a full cache of n_ctx cells (2 * 3 KV heads * 64 dims * 2 bytes per cell)
+    assert m["kv_bytes"] < 30 * 2048 * 768 / 3
+    assert len(m["telemetry"]["entropy_per_layer"]) == 30
+
+
+def test_request_too_long_gets_an_openai_error(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="m", prompt="word " * 3000, max_tokens=8)
+    assert "context length" in str(exc.value)
+    assert client.completions.create(model="m", prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_server_survives_a_client_that_disconnects(client, server):
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True}).encode()
+    req = urllib.request.Request(server + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.readline()  # first event, then hang up mid-stream
+    out = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert out.choices[0].text
+
+
+def test_bad_policy_stops_the_server_with_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--kv-policy", "snapkv:budgt=3"], cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown key 'budgt'" in lines[0] and "budget" in lines[0]
+
+
+def test_config_file_sets_a_policy_per_model(tmp_path, model_path):
+    port = free_port()
+    cfg = {"host": "127.0.0.1", "port": port, "models": [{"model": model_path, "model_alias": "pruned", "kv_policy": "sink_recent:n_sink=4,n_recent=60",
+                       "n_ctx": 512},
+                      {"model": model_path, "model_alias": "full", "n_ctx": 512}]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    proc, url = start(["--config_file", str(path)], tmp_path, port)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        c.completions.create(model="pruned", prompt="Hello there", max_tokens=2)
+        stats = {m["model"]: m for m in kv_stats(url)}
+        assert stats["pruned"]["loaded"] and stats["pruned"]["policy"].startswith("sink_recent:n_sink=4,n_recent=60")
+        assert stats["full"]["policy"] is None and not stats["full"]["loaded"]
+        c.completions.create(model="full", prompt="Hello there", max_tokens=2)
+        stats = {m["model"]: m for m in kv_stats(url)}
+        assert stats["full"]["loaded"] and stats["full"]["policy"] is None
+    finally:
+        stop(proc)
+
+
+def test_concurrent_streaming_clients(server):
+    """A bounded load run: concurrent streaming clients for a few seconds, no errors, memory within the budget."""
+    errors, tokens = [], []
+
+    def worker(seed):
+        c = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+        end = time.time() + 8
+        while time.time() < end:
+            try:
+                s = c.completions.create(model="m", prompt=f"Story {seed}: once upon a time", max_tokens=12,
+                                         stream=True, seed=seed)
+                tokens.append(sum(1 for ch in s if ch.choices and ch.choices[0].text))
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and sum(tokens) > 0
+    (m,) = kv_stats(server)
+    assert all(row["n_used"] <= row["budget"] + 1 for row in m["layers"])
