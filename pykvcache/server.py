@@ -11,7 +11,7 @@ import argparse
 import functools
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
 from .llama import Llama, default_model_path
@@ -39,6 +39,11 @@ class KVModelSettings(ModelSettings):
                                      "'snapkv:budget=512+entropy' (default: llama.cpp's own cache); `pykvcache "
                                      "policies` lists them.")
 
+    kv_reuse: Literal["exact", "continue"] = Field(default="exact", description="What a new request keeps of a "
+                                                   "cache the policy pruned: 'exact' (the result of a fresh evaluation; "
+                                                   "re-evaluates) or 'continue' (the common prefix as the policy left "
+                                                   "it; cheaper for long chats).")
+
     @field_validator("kv_policy")
     @classmethod
     def _check_policy(cls, v: Optional[str]) -> Optional[str]:
@@ -64,7 +69,8 @@ class KVLlamaProxy(LlamaProxy):
         if settings.hf_model_repo_id is not None:
             raise ValueError("pykvcache serve loads local GGUF files: hf_model_repo_id is not supported")
         saved = llama_cpp.Llama
-        llama_cpp.Llama = functools.partial(Llama, kv_policy=getattr(settings, "kv_policy", None))
+        llama_cpp.Llama = functools.partial(Llama, kv_policy=getattr(settings, "kv_policy", None),
+                                            kv_reuse=getattr(settings, "kv_reuse", "exact"))
         try:
             return LlamaProxy.load_llama_from_model_settings(settings)
         finally:
@@ -77,6 +83,7 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
     stats = llama.kv_stats()
     res: Dict[str, Any] = {
         "policy": pol.spec() if pol is not None else None,
+        "kv_reuse": llama._kv_reuse,
         "n_ctx": llama.n_ctx(),
         "n_tokens": int(llama.n_tokens),
         "kv_bytes": stats.total_bytes,

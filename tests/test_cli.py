@@ -79,3 +79,19 @@ def test_missing_model_file(tmp_path):
     out = run("generate", "-p", PROMPT, "-m", str(tmp_path / "missing.gguf"))
     assert out.returncode == 2
     assert "model file not found" in out.stderr
+
+
+def test_demo_compares_a_policy_with_the_full_cache(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"Line {i} of a plain document about rivers and hills." for i in range(200)))
+    out = run("demo", "-f", str(doc), "-p", "600", "--policy", "entropy:budget=0.25", "--plot", "t.png", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "| full cache |" in out.stdout and "| entropy:" in out.stdout
+    assert "of the full cache's KV memory" in out.stdout and (tmp_path / "t.png").stat().st_size > 10_000
+    bad = run("demo", "--policy", "observe")
+    assert bad.returncode == 2 and "keeps every token" in bad.stderr
+
+
+def test_serve_help_names_the_policy_flag():
+    out = run("serve", "--help")
+    assert out.returncode == 0 and "--kv-policy" in out.stdout and "--n_ctx" in out.stdout

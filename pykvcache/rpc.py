@@ -1,0 +1,109 @@
+"""Layers on other machines: llama.cpp's RPC backend (ggml-rpc), built into pykvcache's libraries.
+
+On each helper machine run `pykvcache rpc-server --host 0.0.0.0 --port 50052` (it serves that machine's CPU, or GPU
+where the build has one); on the main machine pass `Llama(..., rpc_servers="host1:50052,host2:50052",
+n_gpu_layers=-1)` or `pykvcache serve --rpc_servers ...`: the model's layers, and their KV caches with a policy,
+are spread over the servers. The protocol is unauthenticated: keep it on a trusted network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import socket
+import sys
+from functools import lru_cache
+from typing import List, Optional
+
+from ._native import _lib_file
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+class RPCError(RuntimeError):
+    """An RPC server cannot be reached or started."""
+
+
+@lru_cache(maxsize=1)
+def _libs():
+    base = ctypes.CDLL(str(_lib_file("ggml-base")), mode=ctypes.RTLD_GLOBAL)
+    ggml = ctypes.CDLL(str(_lib_file("ggml")), mode=ctypes.RTLD_GLOBAL)
+    path = _lib_file("ggml-rpc")
+    if not path.is_file():
+        raise RPCError(f"this build of pykvcache has no RPC backend ({path} is missing): rebuild with -DGGML_RPC=ON")
+    rpc = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    rpc.ggml_backend_rpc_start_server.restype = None
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                   ctypes.POINTER(ctypes.c_void_p)]
+    ggml.ggml_backend_register.restype = None
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    return base, ggml, rpc
+
+
+_added: List[str] = []
+
+
+def add_servers(servers: str) -> List[str]:
+    """Register RPC servers ("host:port,host:port") as devices for the models loaded next; returns the endpoints."""
+    endpoints = [s.strip() for s in servers.split(",") if s.strip()]
+    if not endpoints:
+        raise RPCError("no RPC servers given (expected host:port[,host:port...])")
+    _, ggml, rpc = _libs()
+    for ep in endpoints:
+        if ep in _added:
+            continue
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit():
+            raise RPCError(f"RPC server '{ep}' is not host:port")
+        try:  # ggml-rpc aborts the process on a server it cannot reach: ask first
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as exc:
+            raise RPCError(f"RPC server {ep} cannot be reached ({exc.strerror or exc}); is `pykvcache rpc-server` "
+                           f"running there?") from None
+        reg = rpc.ggml_backend_rpc_add_server(ep.encode())
+        if not reg:
+            raise RPCError(f"RPC server {ep} cannot be reached (is `pykvcache rpc-server` running there?)")
+        ggml.ggml_backend_register(reg)
+        _added.append(ep)
+    return endpoints
+
+
+def serve(host: str, port: int, threads: int, cache_dir: Optional[str] = None) -> None:
+    """Serve this machine's device (GPU if the build has one, else CPU) to RPC clients until killed."""
+    _, ggml, rpc = _libs()
+    dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) or ggml.ggml_backend_dev_by_type(
+        GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise RPCError("no ggml device to serve")
+    devices = (ctypes.c_void_p * 1)(dev)
+    endpoint = f"{host}:{port}".encode()
+    rpc.ggml_backend_rpc_start_server(endpoint, cache_dir.encode() if cache_dir else None, threads, 1, devices)
+    raise RPCError(f"the RPC server could not start on {host}:{port}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`pykvcache rpc-server`: serve this machine's device to pykvcache clients."""
+    ap = argparse.ArgumentParser(prog="pykvcache rpc-server", description=__doc__.splitlines()[0] + " Serves this "
+                                 "machine's GPU (or CPU) to clients that pass rpc_servers=host:port.")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; the protocol is "
+                    "unauthenticated, expose it on trusted networks only)")
+    ap.add_argument("-p", "--port", type=int, default=50052, help="port (default: 50052)")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
+    ap.add_argument("-c", "--cache", default=None, help="folder caching tensors sent by clients (default: none)")
+    args = ap.parse_args(argv)
+    try:
+        serve(args.host, args.port, args.threads, args.cache)
+    except RPCError as exc:
+        print(f"pykvcache rpc-server: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Layers on another machine: llama.cpp's RPC backend with a retention policy gives the local greedy tokens (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import PROSE
+
+from pykvcache import Llama
+from pykvcache._native import _lib_file
+
+pytestmark = pytest.mark.skipif(not _lib_file("ggml-rpc").is_file(), reason="built without the RPC backend")
+
+POLICY = "snapkv:budget=48,chunk=32"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pykvcache.rpc", "--port", str(port), "-t", "2"], cwd="/",
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the RPC server did not start")
+    yield f"127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+CLIENT = """
+import json, sys
+from pykvcache import Llama
+prompt, policy, server, model = sys.argv[1:5]
+def greedy(llm):
+    return llm.create_completion(prompt, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+local = greedy(Llama(model, n_ctx=512, verbose=False, kv_policy=policy))
+remote = Llama(model, n_ctx=512, verbose=False, kv_policy=policy, rpc_servers=server, n_gpu_layers=-1)
+print(json.dumps({"local": local, "remote": greedy(remote), "on_device": [s.on_device for s in remote.kv_stats().layers],
+                  "n_evicted": remote.kv_memory().n_evicted}))
+"""
+
+
+def test_offloaded_layers_give_the_local_tokens(model_path, rpc_server):
+    # in a process of its own: ggml keeps a registered RPC device for the life of the process, and aborts on it
+    # once the server is gone
+    res = subprocess.run([sys.executable, "-c", CLIENT, PROSE * 2, POLICY, rpc_server, model_path], cwd="/",
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(out["on_device"])  # every layer's KV cache lives on the RPC device
+    assert out["remote"] == out["local"] and out["n_evicted"] > 0
+
+
+def test_unreachable_server_is_named(model_path):
+    from pykvcache.rpc import RPCError
+
+    port = free_port()
+    with pytest.raises(RPCError, match=f"127.0.0.1:{port} cannot be reached"):
+        Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{port}", n_gpu_layers=-1)
