@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `pykvcache` command."""
     parser = argparse.ArgumentParser(
         prog="pykvcache",
-        description="Entropy-guided KV-cache policies inside llama.cpp: generate text or record attention telemetry.",
+        description="Entropy-guided KV-cache policies inside llama.cpp: a demo, generation, attention telemetry, "
+                    "benchmarks and evaluation, an OpenAI-compatible server and an RPC server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
