@@ -283,11 +283,9 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
             return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
         });
         std::vector<uint32_t> leaving;
+        llama_pos p_min = LLAMA_KVP_POS_ALL; // the exact prefix ends at the first position that leaves
         for (size_t j = n_topk; j < mid.size(); ++j) {
             leaving.push_back(cells[mid[j]].idx);
-        }
-        llama_pos p_min = LLAMA_KVP_POS_ALL;
-        for (size_t j = n_topk; j < mid.size(); ++j) {
             p_min = std::min(p_min, cells[mid[j]].pos);
         }
         pos_exact = std::min({ pos_exact, pos_end, p_min });

@@ -26,10 +26,8 @@ int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
 
     // a fresh evaluation of the prompt must not evict before its end
     const auto b = fixed_budgets(resolve_budget(n_prompt));
-    for (uint32_t bl : b) {
-        if ((uint32_t) n_prompt > bl) {
-            r = 0;
-        }
+    if ((uint32_t) n_prompt > *std::min_element(b.begin(), b.end())) {
+        r = 0;
     }
 
     if (st && st->observing() && r > 0) {
