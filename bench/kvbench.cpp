@@ -67,6 +67,7 @@ struct kvbench_result {
     std::vector<double>  t_obs_steps;         // their times (s)
     double               t_plain       = 0.0; // median time of a plain (non-observing) step, 0 if none
     double               t_gen         = 0.0; // all decode steps (s)
+    double               density       = 1.0; // sparse prefill: key blocks computed / dense, in ubatches that ran sparse
 
     // ratios to `full` at the same configuration (0: no full row)
     double pp_ratio = 0.0;
@@ -240,10 +241,10 @@ static llama_kvp_policy_desc kvbench_describe(const llama_kvp_policy & pol) {
     return d;
 }
 
-// the full cache: neither observes nor retains
+// the full cache: neither observes, retains nor computes sparse attention
 static bool kvbench_is_full(const llama_kvp_policy & pol) {
     const llama_kvp_policy_desc d = kvbench_describe(pol);
-    return !d.observes && !d.retains;
+    return !d.observes && !d.retains && !d.sparse;
 }
 
 // canonical name of a spec ("full" for the full cache)
@@ -448,6 +449,22 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
     r.per_layer     = mi.per_layer;
     r.budget        = mi.budget;
+
+    // sparse prefill: share of the key blocks computed (the last repetition's prompt)
+    struct llama_kvp_sparse_info si = {};
+    if (llama_kvp_sparse_info(ctx, &si) == 0) {
+        std::vector<float> counts(3*(size_t) si.n_layer);
+        if (llama_kvp_sparse_telemetry(ctx, counts.data(), nullptr, nullptr, nullptr, 0) >= 0) {
+            double done = 0.0;
+            double vis  = 0.0;
+            for (int32_t l = 0; l < si.n_layer; ++l) {
+                done += counts[3*l + 0];
+                vis  += counts[3*l + 1];
+            }
+            r.density = vis > 0.0 ? done/vis : 1.0;
+        }
+    }
+    llama_kvp_clear_error();
 }
 
 // depth of the physical limit of a row: its mean layer budget, at most the tokens it has before decoding (-1: none)
@@ -527,8 +544,8 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
     printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
             r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
-    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.4f}%s\n",
-            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, last ? "" : ",");
+    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.4f, \"density\": %.4f}%s\n",
+            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, r.density, last ? "" : ",");
 }
 
 // limits: the physical limit measurements (full cache at depth B), after the rows
@@ -550,20 +567,20 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f\n",
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f,%.4f\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
                     r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio,
-                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio);
+                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio, r.density);
         }
         return;
     }
-    printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
         double pp, pp_sd, tg, tg_sd;
         kvbench_mean_sd(r.pp_ts, pp, pp_sd);
@@ -572,15 +589,15 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         if (r.tg_limit_ratio > 0.0) {
             snprintf(x_limit, sizeof(x_limit), "%.2f", r.tg_limit_ratio);
         }
-        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %s | %.1f%% |\n",
+        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %s | %.1f%% | %.2f |\n",
                 r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
-                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, x_limit, 100.0*r.obs_overhead);
+                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, x_limit, 100.0*r.obs_overhead, r.density);
     }
     // the references of `x limit`: the full cache decoding at depth B, nothing timed but the decode steps
     for (const auto & l : limits) {
         double tg, tg_sd;
         kvbench_mean_sd(l.tg_ts, tg, tg_sd);
-        printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - |\n",
+        printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - | - |\n",
                 l.label.c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
     }
 }

@@ -16,10 +16,11 @@ from .stages import (
     PromptSchedule,
     PyramidBudget,
     RecencyScore,
+    SparsePrefill,
     UniformBudget,
     WindowScore,
 )
-from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
+from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "EverySchedule",
     "DropFate",
     "DensePrefill",
+    "SparsePrefill",
     "PolicyError",
     "NativeLibraryError",
     "parse_policy",
@@ -54,6 +56,7 @@ __all__ = [
     "default_model_path",
     "KVStats",
     "KVTelemetry",
+    "SparseTelemetry",
     "LayerStats",
     "KVMemory",
     "LayerBudget",

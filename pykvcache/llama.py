@@ -11,7 +11,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .policies import Policy, PolicyError, as_policy, from_native
-from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats
+from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
 
 llama_cpp = import_llama_cpp()
 
@@ -58,6 +58,8 @@ class Llama(llama_cpp.Llama):
             from .rpc import add_servers
 
             add_servers(rpc_servers)
+        if policy is not None and policy.sparse and args == () and "flash_attn" not in kwargs:
+            kwargs["flash_attn"] = True  # block-sparse prefill replaces flash attention (llama.cpp's default: auto)
         ffi, lib = native()
         if policy is not None:
             if lib.llama_kvp_set_pending(policy.to_native()) != 0:
@@ -196,10 +198,47 @@ class Llama(llama_cpp.Llama):
             res[s, pos] = True
         return res
 
-    def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
-        """Attention telemetry of the last observation: entropy per layer x head, mass per layer x position."""
+    def kv_sparse(self) -> SparseTelemetry:
+        """Sparse prefill telemetry: Rigid/Dynamic heads, budgets per segment, density per layer."""
         ffi, lib = native()
         ctx = self._native_ctx()
+        info = ffi.new("struct llama_kvp_sparse_info *")
+        if lib.llama_kvp_sparse_info(ctx, info) != 0:
+            raise PolicyError(last_error())
+        n_layer, n_head, n_seg = int(info.n_layer), int(info.n_head), int(info.n_seg)
+        counts = np.zeros((n_layer, 3), dtype=np.float32)
+        dynamic = np.zeros((n_layer, n_head), dtype=np.float32)
+        budgets = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
+        entropy = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
+
+        def ptr(a: np.ndarray) -> Any:
+            return ffi.cast("float *", ffi.from_buffer(a))
+
+        if lib.llama_kvp_sparse_telemetry(ctx, ptr(counts), ptr(dynamic), ptr(budgets), ptr(entropy), n_seg) < 0:
+            raise RuntimeError(last_error())
+        computed, visible = counts[:, 0].astype(np.float64), counts[:, 1].astype(np.float64)
+        density = np.where(visible > 0, computed / np.maximum(visible, 1.0), 1.0)
+        return SparseTelemetry(
+            layers=np.array([s.layer for s in self.kv_stats().layers], dtype=np.int32), density=density,
+            n_ubatch=counts[:, 2].astype(np.int64), n_computed=computed, n_visible=visible,
+            dynamic=dynamic > 0.5, budgets=budgets, entropy=entropy, segment=int(info.segment), block=int(info.block))
+
+    def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
+        """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
+        of the sparse prefill (Rigid/Dynamic heads, budgets, density)."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        pol = self._kv_policy
+        if pol is not None and pol.sparse and not pol.observes:
+            stats = self.kv_stats()
+            n_layer = len(stats.layers)
+            return KVTelemetry(
+                layers=np.array([s.layer for s in stats.layers], dtype=np.int32), positions=np.zeros(0, dtype=np.int64),
+                entropy=np.zeros((n_layer, 0), dtype=np.float32), mass=np.zeros((n_layer, 0), dtype=np.float32),
+                mass_acc=np.zeros((n_layer, 0), dtype=np.float32), window=0, n_queries=0, n_obs=0, policy=pol.spec(),
+                kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
+                budgets=self.kv_memory().budgets if pol.retains else None,
+                retained=self.kv_retained() if pol.retains else None, sparse=self.kv_sparse())
         info = ffi.new("struct llama_kvp_obs_info *")
         if lib.llama_kvp_obs_info(ctx, info) != 0:
             raise PolicyError(last_error())
@@ -242,4 +281,5 @@ class Llama(llama_cpp.Llama):
             kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
             budgets=self.kv_memory().budgets if self._kv_policy is not None and self._kv_policy.retains else None,
             retained=self.kv_retained() if self._kv_policy is not None and self._kv_policy.retains else None,
+            sparse=self.kv_sparse() if self._kv_policy is not None and self._kv_policy.sparse else None,
         )

@@ -96,7 +96,7 @@ class Policy:
             raise PolicyError(last_error())
         stages = {slot: ffi.string(d.stage[i]).decode() or None for i, slot in enumerate(SLOTS)}
         return dict(preset=ffi.string(d.preset).decode(), stages=stages, observes=bool(d.observes),
-                    retains=bool(d.retains), guides=bool(d.guides))
+                    retains=bool(d.retains), guides=bool(d.guides), sparse=bool(d.sparse))
 
     @property
     def observes(self) -> bool:
@@ -107,6 +107,11 @@ class Policy:
     def retains(self) -> bool:
         """Whether the policy keeps one budgeted KV cache per layer (evicts tokens)."""
         return self._desc["retains"]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether prompt ubatches run block-sparse attention (prefill stage `sparse`)."""
+        return self._desc["sparse"]
 
     @property
     def guides(self) -> bool:

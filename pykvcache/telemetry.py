@@ -117,6 +117,67 @@ class KVMemory:
         return d
 
 
+@dataclass(frozen=True)
+class SparseTelemetry:
+    """Sparse prefill of the sequence's prompt (prefill stage `sparse`), per layer with a KV cache.
+
+    density[n_layer]               key blocks computed / key blocks dense attention computes, over the prompt
+                                   ubatches that ran sparse (1.0 for a layer that stayed dense)
+    n_ubatch[n_layer]              prompt ubatches that ran sparse
+    dynamic[n_layer, n_head]       True for a Dynamic head, False for a Rigid one
+    budgets[n_layer, n_seg, n_head] tokens per segment and head (0 for segments that ran dense)
+    entropy[n_layer, n_seg, n_head] normalised block entropy per segment and head
+    """
+
+    layers: np.ndarray
+    density: np.ndarray
+    n_ubatch: np.ndarray
+    n_computed: np.ndarray
+    n_visible: np.ndarray
+    dynamic: np.ndarray
+    budgets: np.ndarray
+    entropy: np.ndarray
+    segment: int
+    block: int
+
+    @property
+    def total_density(self) -> float:
+        """Key blocks computed / key blocks of dense attention, all sparse layers together (1.0 if none)."""
+        vis = float(self.n_visible.sum())
+        return float(self.n_computed.sum()) / vis if vis > 0 else 1.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        return {
+            "layers": self.layers.tolist(),
+            "density": self.density.tolist(),
+            "total_density": self.total_density,
+            "n_ubatch": self.n_ubatch.tolist(),
+            "dynamic": self.dynamic.astype(int).tolist(),
+            "budgets": self.budgets.tolist(),
+            "entropy": self.entropy.tolist(),
+            "segment": self.segment,
+            "block": self.block,
+        }
+
+    def plot_axes(self, ax_heads: Any, ax_budget: Any, ax_density: Any, fig: Any) -> None:
+        """Draw Rigid/Dynamic heads, mean budget per layer x segment and density per layer on three axes."""
+        ax_heads.imshow(self.dynamic.astype(float), aspect="auto", cmap="coolwarm", origin="lower", vmin=0, vmax=1)
+        ax_heads.set_title("sparse prefill heads (red: Dynamic, blue: Rigid)")
+        ax_heads.set_xlabel("head")
+        ax_heads.set_ylabel("layer")
+        im = ax_budget.imshow(self.budgets.mean(axis=2), aspect="auto", cmap="viridis", origin="lower", interpolation="nearest")
+        ax_budget.set_title(f"budget per segment of {self.segment} tokens (tokens, head mean)")
+        ax_budget.set_xlabel("segment")
+        ax_budget.set_ylabel("layer")
+        fig.colorbar(im, ax=ax_budget)
+        ax_density.barh(np.arange(len(self.density)), self.density, color="tab:green")
+        ax_density.set_xlim(0, 1)
+        ax_density.set_title(f"key blocks computed (all: {self.total_density:.2f})")
+        ax_density.set_xlabel("density")
+        ax_density.set_ylabel("layer")
+
+
 @dataclass
 class KVTelemetry:
     """Attention observation of the last `window` queries, with positions in ascending order.
@@ -140,6 +201,7 @@ class KVTelemetry:
     kv_bytes: List[int] = field(default_factory=list)
     budgets: Optional[List[int]] = None
     retained: Optional[np.ndarray] = None
+    sparse: Optional[SparseTelemetry] = None
 
     def __post_init__(self) -> None:
         """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
@@ -174,6 +236,8 @@ class KVTelemetry:
             d["budgets"] = list(self.budgets)
         if self.retained is not None:
             d["retained"] = self.retained.astype(int).tolist()
+        if self.sparse is not None:
+            d["sparse"] = self.sparse.to_dict()
         return d
 
     def to_json(self, path: "str | Path | None" = None) -> str:
@@ -191,7 +255,27 @@ class KVTelemetry:
         import matplotlib.pyplot as plt
 
         path = Path(path)
-        if self.budgets is not None:
+        if self.entropy.size == 0 and self.sparse is not None:  # sparse prefill only, nothing observed
+            fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
+            self.sparse.plot_axes(axes[0], axes[1], axes[2], fig)
+            fig.suptitle(f"pykvcache telemetry  [{self.policy}]")
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            return path
+        if self.sparse is not None:
+            fig, grid = plt.subplots(2, 3, figsize=(17, 10), gridspec_kw={"width_ratios": [1, 2.2, 1]})
+            ax0, ax1, ax2 = grid[0]
+            self.sparse.plot_axes(grid[1][0], grid[1][1], grid[1][2], fig)
+            if self.budgets is not None:
+                layer_ids = np.arange(len(self.budgets))
+                ax2.barh(layer_ids, self.budgets, color="tab:blue")
+                ax2.set_title("tokens kept per layer")
+                ax2.set_xlabel("budget (tokens)")
+                ax2.set_ylabel("layer")
+            else:
+                ax2.axis("off")
+        elif self.budgets is not None:
             fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             layer_ids = np.arange(len(self.budgets))
             ax2.barh(layer_ids, self.budgets, color="tab:blue")

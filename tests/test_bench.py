@@ -16,7 +16,7 @@ from pykvcache.evaluate import EvalConfig, EvalError, agreement, compare_logprob
 RESULT_FIELDS = {
     "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
     "tg_samples", "kv_bytes", "kv_bytes_peak", "kv_layer_bytes", "kv_layer_cells", "n_evicted", "obs_overhead",
-    "n_obs_steps", "pp_ratio", "tg_ratio", "kv_ratio", "kv_peak_ratio",
+    "n_obs_steps", "pp_ratio", "tg_ratio", "kv_ratio", "kv_peak_ratio", "density",
 }
 
 
@@ -73,7 +73,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     md = kvbench(*args, model_path=model_path).stdout
     assert "| x limit |" in md and "| limit:d=64 |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
-    assert csv[0].endswith("limit_depth,limit_tg_ts,tg_limit_ratio") and len(csv) == 5
+    assert csv[0].endswith("limit_depth,limit_tg_ts,tg_limit_ratio,density") and len(csv) == 5
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] == 0 for r in none["results"])
 

@@ -51,6 +51,9 @@ bool llama_kvp_policy_retains(const llama_kvp_policy & policy);
 // has a score stage that needs the in-graph observation of attention
 bool llama_kvp_policy_observes(const llama_kvp_policy & policy);
 
+// does the policy run prompt ubatches with block-sparse attention (prefill stage `sparse`)
+bool llama_kvp_policy_sparse(const llama_kvp_policy & policy);
+
 // tokens the score stage always keeps (sinks + recent window)
 int32_t llama_kvp_policy_n_protected(const llama_kvp_policy & policy);
 
@@ -76,6 +79,15 @@ struct llama_kvp_obs_layer {
     ggml_tensor * entropy  = nullptr; // F32 [n_head]                      mean entropy of the window queries (nats)
 
     std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
+
+    // sparse prefill state and telemetry (stages/prefill-sparse.cpp), nullptr without it
+    ggml_context_ptr        sp_ctx;
+    ggml_backend_buffer_ptr sp_buf;
+    ggml_tensor * sp_state   = nullptr; // F32 [n_head, 3]         entropy and budget of the last segment, Dynamic flag
+    ggml_tensor * sp_budget  = nullptr; // F32 [n_head, n_seg_max] budget (tokens) of each segment of the sequence
+    ggml_tensor * sp_entropy = nullptr; // F32 [n_head, n_seg_max] normalised block entropy of each segment
+    ggml_tensor * sp_count   = nullptr; // F32 [3]                 blocks computed, blocks visible, sparse ubatches
+    int32_t n_seg_max = 0;
 
     bool seen = false;                // the graph hook ran for this layer (checked after the reserve)
 };
@@ -115,6 +127,8 @@ struct llama_kvp_context {
     int32_t n_queries_obs = 0; // valid window queries of the last observation
     size_t  n_steps_call  = 1; // ubatches of the decode call the current graph belongs to
     bool    obs_requested = false;
+    bool    sparse_warned = false; // the reason prefill stays dense was logged
+    uint32_t n_ubatch     = 512;   // tokens per ubatch at most
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 
@@ -174,6 +188,7 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp);
 
 // llama_context::graph_params: the graph built next on this thread belongs to this context
 void llama_kvp_graph_begin(llama_kvp_context * kvp);
+void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp); // its sparse-prefill part (stages/prefill-sparse.cpp)
 
 // llm_graph_context::build_attn_inp_kv: the per-layer attention input when the memory is per-layer, else nullptr
 class llm_graph_input_attn_kv;
@@ -191,6 +206,30 @@ void llama_kvp_graph_observe(
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il);
+
+// llm_graph_context::build_attn, instead of build_attn_mha: block-sparse attention of a prompt ubatch when the
+// policy's prefill stage is `sparse` and the layer qualifies, as [n_embd_head_v*n_head, n_tokens]; else nullptr
+//   q: [n_embd_head, n_head, n_tokens], k, v: [n_embd_head, n_head_kv, n_kv, 1] views of the layer's cache
+ggml_tensor * llama_kvp_graph_sparse_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il);
+
+//
+// sparse prefill state (stages/prefill-sparse.cpp)
+//
+
+// allocates the state and telemetry tensors of KV layer ikv for a context of n_ctx tokens
+void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
+
+// reads the telemetry of KV layer ikv (synchronizes): count3 = blocks computed, blocks visible, sparse ubatches;
+// dyn [n_head] = 1 for Dynamic heads; budgets, entropy [n_seg][n_head]; returns the segments read or -1
+int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg);
 
 //
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)

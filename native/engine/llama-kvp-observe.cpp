@@ -241,7 +241,7 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
     const llama_kvp_policy policy = g_pending;
     g_pending_set = false; // consumed, also on failure
 
-    if (!llama_kvp_policy_observes(policy) && !llama_kvp_policy_retains(policy)) {
+    if (!llama_kvp_policy_observes(policy) && !llama_kvp_policy_retains(policy) && !llama_kvp_policy_sparse(policy)) {
         return nullptr; // the full cache, nothing observed
     }
 
@@ -284,6 +284,7 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
     st->kv          = mem ? nullptr : kv;
     st->mem         = mem;
     st->causal_attn = cparams.causal_attn;
+    st->n_ubatch    = cparams.n_ubatch;
 
     std::vector<int32_t> ils;
     if (mem) {
@@ -332,6 +333,9 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
         } else {
             L.n_cells = (int32_t) st->layer_kv(ikv)->get_size();
         }
+        if (llama_kvp_policy_sparse(policy)) {
+            llama_kvp_sparse_alloc(st.get(), ikv, (int32_t) cparams.n_ctx_seq);
+        }
     }
     llama_kvp_update_n_cells(st.get());
 
@@ -371,7 +375,12 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp) {
     if (!kvp) {
         return 0;
     }
-    return LLAMA_KVP_NODES_PER_LAYER*(uint32_t) kvp->layers.size() + 16;
+    uint32_t per_layer = LLAMA_KVP_NODES_PER_LAYER;
+    if (llama_kvp_policy_sparse(kvp->policy)) {
+        // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment)
+        per_layer += 100 + 24*((kvp->n_ubatch + kvp->policy.segment - 1)/kvp->policy.segment);
+    }
+    return per_layer*(uint32_t) kvp->layers.size() + 16;
 }
 
 bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const {
@@ -597,6 +606,7 @@ static thread_local llama_kvp_obs_input * g_graph_inp = nullptr;
 void llama_kvp_graph_begin(llama_kvp_context * kvp) {
     g_graph_st  = kvp;
     g_graph_inp = nullptr;
+    llama_kvp_sparse_graph_begin(kvp);
 }
 
 void llama_kvp_graph_observe(

@@ -56,6 +56,15 @@ static const llama_kvp_key_info k_keys[] = {
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
+    { "segment",    false, offsetof(llama_kvp_policy, segment)    },
+    { "block",      false, offsetof(llama_kvp_policy, block)      },
+    { "base",       false, offsetof(llama_kvp_policy, base)       },
+    { "e_t",        true,  offsetof(llama_kvp_policy, e_t)        },
+    { "alpha",      true,  offsetof(llama_kvp_policy, alpha)      },
+    { "delta_t",    true,  offsetof(llama_kvp_policy, delta_t)    },
+    { "threshold",  false, offsetof(llama_kvp_policy, threshold)  },
+    { "skip",       false, offsetof(llama_kvp_policy, skip)       },
+    { "per_head",   false, offsetof(llama_kvp_policy, per_head)   },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
@@ -142,6 +151,9 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.pool       = 1;
     res.pool_max   = 0;
     res.slope      = 0.5f;
+    res.chunk      = 128;
+    res.guide      = 0;
+    llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage
     res.chunk      = 128;
     res.guide      = 0;
     return res;
@@ -476,6 +488,7 @@ int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct
     const auto * prefill = llama_kvp_prefill_of(p);
     out->observes = llama_kvp_policy_observes(p) ? 1 : 0;
     out->retains  = llama_kvp_policy_retains(p) ? 1 : 0;
+    out->sparse   = llama_kvp_policy_sparse(p) ? 1 : 0;
     out->guides   = out->retains && prefill && prefill->n_guide(p, UINT32_MAX) > 0 ? 1 : 0;
     return 0;
 }

@@ -138,12 +138,17 @@ const llama_kvp_stage * llama_kvp_stage_schedule_prompt();
 const llama_kvp_stage * llama_kvp_stage_schedule_every();
 const llama_kvp_stage * llama_kvp_stage_fate_drop();
 const llama_kvp_stage * llama_kvp_stage_prefill_dense();
+const llama_kvp_stage * llama_kvp_stage_prefill_sparse();
 
 // shared checks of key values ("" if fine), used by the stages that read those keys
 std::string llama_kvp_check_budget  (const llama_kvp_policy & p);
 std::string llama_kvp_check_protect (const llama_kvp_policy & p, int32_t min_recent);
 std::string llama_kvp_check_window  (const llama_kvp_policy & p);
 std::string llama_kvp_check_decay   (const llama_kvp_policy & p);
+std::string llama_kvp_check_chunk   (const llama_kvp_policy & p); // chunk and guide (prefill stages)
+
+// tokens of the prompt's end run behind each chunk with guide=1 (prefill stages)
+uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch);
 
 // the keys of a score stage that observes: window, decay, n_sink, n_recent, topk_share
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);

@@ -20,6 +20,7 @@ const std::vector<const llama_kvp_stage *> & llama_kvp_stage_all() {
         llama_kvp_stage_schedule_every(),
         llama_kvp_stage_fate_drop(),
         llama_kvp_stage_prefill_dense(),
+        llama_kvp_stage_prefill_sparse(),
     };
     return all;
 }
@@ -143,6 +144,23 @@ std::string llama_kvp_check_decay(const llama_kvp_policy & p) {
         return buf;
     }
     return "";
+}
+
+std::string llama_kvp_check_chunk(const llama_kvp_policy & p) {
+    char buf[128];
+    if (p.guide != 0 && p.guide != 1) {
+        snprintf(buf, sizeof(buf), "guide must be 0 or 1 (got %d)", p.guide);
+        return buf;
+    }
+    if (p.chunk < 1) {
+        snprintf(buf, sizeof(buf), "chunk must be >= 1 (got %d)", p.chunk);
+        return buf;
+    }
+    return "";
+}
+
+uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) {
+    return p.guide && p.window > 0 && n_ubatch > (uint32_t) p.window ? (uint32_t) p.window : 0;
 }
 
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p) {

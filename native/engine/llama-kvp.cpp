@@ -405,3 +405,49 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
     }
     return llama_kvp_fill_cell_pos(*kv, out, n_max);
 }
+
+//
+// sparse prefill telemetry
+//
+
+static llama_kvp_context * llama_kvp_sparse_ctx(llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    if (!st || !llama_kvp_policy_sparse(st->policy)) {
+        llama_kvp_set_error("this context has no sparse prefill (create it with a policy that has the stage '+sparse')");
+        return nullptr;
+    }
+    return st;
+}
+
+int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out) {
+    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
+    if (!st || !out) {
+        return -1;
+    }
+    const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), 0);
+    out->n_layer = (int32_t) st->layers.size();
+    out->n_head  = st->n_head;
+    out->n_seg   = p_max < 0 ? 0 : std::min<int32_t>((p_max + st->policy.segment)/st->policy.segment, st->layers[0].n_seg_max);
+    out->segment = st->policy.segment;
+    out->block   = st->policy.block;
+    return 0;
+}
+
+int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg) {
+    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    const int32_t nh = st->n_head;
+    for (int32_t ikv = 0; ikv < (int32_t) st->layers.size(); ++ikv) {
+        if (llama_kvp_sparse_read(st, ikv, counts ? counts + 3*ikv : nullptr, dynamic ? dynamic + nh*ikv : nullptr,
+                budgets ? budgets + (size_t) nh*n_seg*ikv : nullptr, entropy ? entropy + (size_t) nh*n_seg*ikv : nullptr, n_seg) < 0) {
+            llama_kvp_set_error("no sparse prefill state in layer " + std::to_string(st->layers[ikv].il));
+            return -1;
+        }
+    }
+    return (int32_t) st->layers.size();
+}

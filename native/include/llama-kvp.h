@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 5
+#define LLAMA_KVP_API_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -78,6 +78,7 @@ enum llama_kvp_stage_id {
     LLAMA_KVP_SCHEDULE_EVERY    = 21, // also every `every` decode steps
     LLAMA_KVP_FATE_DROP         = 30, // leaving tokens are gone
     LLAMA_KVP_PREFILL_DENSE     = 40, // dense attention, prompt in chunks (guided by the prompt's end with `guide`)
+    LLAMA_KVP_PREFILL_SPARSE    = 41, // per-head entropy-guided block-sparse attention in prompt ubatches (EntropyInfer)
 };
 
 // the stages and the values of every key of the spec grammar; each stage reads the keys it names
@@ -98,6 +99,15 @@ struct llama_kvp_policy {
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
+    int32_t segment;    // sparse: query tokens per segment (the unit of selection)
+    int32_t block;      // sparse: KV cells per key block (divides 256)
+    int32_t base;       // sparse: tokens per segment of a Rigid head (the smallest budget; Dynamic heads up to 3*base)
+    float   e_t;        // sparse: normalised block entropy in [0, 1] below which a head stays Rigid
+    float   alpha;      // sparse: step of a Dynamic head's budget, in units of base
+    float   delta_t;    // sparse: entropy growth a Dynamic head's budget ignores
+    int32_t threshold;  // sparse: KV cells below which a prompt ubatch stays dense
+    int32_t skip;       // sparse: first layers that stay dense
+    int32_t per_head;   // sparse: 1 = each head its own block count, 0 = every head the layer's largest
 };
 
 // what a policy is made of (names are static strings)
@@ -107,6 +117,7 @@ struct llama_kvp_policy_desc {
     int32_t observes;      // 1: computes in-graph attention observations
     int32_t retains;       // 1: one budgeted KV cache per layer (evicts tokens)
     int32_t guides;        // 1: prompt chunks are guided by the prompt's end
+    int32_t sparse;        // 1: prompt ubatches run block-sparse attention (prefill stage `sparse`)
 };
 
 // per layer of the KV cache, as allocated in the real ggml buffers
@@ -188,6 +199,24 @@ int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n);
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n);
 // make the next single-token decode step observe, whatever `every` says
 int32_t llama_kvp_obs_request(struct llama_context * ctx);
+
+// --- sparse prefill (prefill stage `sparse`) ---
+
+struct llama_kvp_sparse_info {
+    int32_t n_layer;    // layers with a KV cache
+    int32_t n_head;     // query heads per layer
+    int32_t n_seg;      // segments of the sequence so far (rows of the budgets and entropies)
+    int32_t segment;    // query tokens per segment
+    int32_t block;      // KV cells per key block
+};
+
+int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out);
+
+// telemetry of the sequence's prompt ubatches that ran sparse (synchronizes); any output may be NULL:
+//   counts[n_layer*3]            key blocks computed, key blocks a dense attention computes, sparse ubatches
+//   dynamic[n_layer*n_head]      1 for a Dynamic head, 0 for a Rigid one (after the last segment)
+//   budgets[n_layer*n_seg*n_head] tokens per segment and head; entropy[...]: normalised block entropy
+int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg);
 
 // --- retention policies (one KV cache per layer) ---
 

@@ -10,6 +10,7 @@ from .budget_pyramid import PyramidBudget
 from .budget_uniform import UniformBudget
 from .fate_drop import DropFate
 from .prefill_dense import DensePrefill
+from .prefill_sparse import SparsePrefill
 from .schedule_every import EverySchedule
 from .schedule_prompt import PromptSchedule
 from .score_accumulated import AccumulatedScore
@@ -19,7 +20,7 @@ from .score_window import WindowScore
 STAGES: Dict[str, Type[Stage]] = {
     cls.name: cls
     for cls in (UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
-                PromptSchedule, EverySchedule, DropFate, DensePrefill)
+                PromptSchedule, EverySchedule, DropFate, DensePrefill, SparsePrefill)
 }
 
 __all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES"]

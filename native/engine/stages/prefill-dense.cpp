@@ -16,20 +16,11 @@ struct llama_kvp_prefill_dense : llama_kvp_prefill_stage {
     }
 
     std::string check(const llama_kvp_policy & p) const override {
-        char buf[128];
-        if (p.guide != 0 && p.guide != 1) {
-            snprintf(buf, sizeof(buf), "guide must be 0 or 1 (got %d)", p.guide);
-            return buf;
-        }
-        if (p.chunk < 1) {
-            snprintf(buf, sizeof(buf), "chunk must be >= 1 (got %d)", p.chunk);
-            return buf;
-        }
-        return "";
+        return llama_kvp_check_chunk(p);
     }
 
     uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
-        return p.guide && p.window > 0 && n_ubatch > (uint32_t) p.window ? (uint32_t) p.window : 0;
+        return llama_kvp_prefill_n_guide(p, n_ubatch);
     }
 };
 

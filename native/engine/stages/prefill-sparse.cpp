@@ -1,0 +1,476 @@
+// prefill-sparse.cpp - prefill stage `sparse`: per-head entropy-guided block-sparse attention for prompt ubatches
+// (EntropyInfer, Algorithms 1-3), on GGML_OP_SPARSE_ATTN_EXT (native/kernels/).
+//
+// Per layer and prompt ubatch, in the graph (no host round trip):
+//   1. the ubatch's queries are cut into segments of `segment` tokens and the layer's cells into blocks of `block`
+//      cells; each segment is pooled into its max and min query, each block into its max and min key, and the
+//      observation matrix of a head is S = [q_max; q_min] . [k_max; k_min] * scale (one score per segment x block);
+//   2. a softmax over the blocks a segment can see (block-causal, from the token mask) gives per head and segment
+//      the block entropy H, normalised by log(visible blocks) so that it lies in [0, 1];
+//   3. a head stays Rigid while H < e_t in every segment so far (it gets `base` tokens per segment); from the first
+//      segment with H >= e_t it is Dynamic and its budget follows the fluctuation of H:
+//        r_s = clamp((H_s - H_{s-1}) / H_{s-1}, 0, 1 + delta_t)
+//        B_s = clamp(B_{s-1} + alpha*base*(r_s - delta_t), base, 3*base)
+//      The previous segment's H and B and the Dynamic flags carry over from one ubatch to the next (state tensors,
+//      reset when a sequence starts at position 0). With per_head=0 every head of a layer gets the layer's largest
+//      budget (what EntropyInfer's released code does);
+//   4. each head ranks the blocks by S, with the sink block (position 0) and the local blocks (the segment's own
+//      tokens and one block before) first, and computes the top ceil(B_s/block) of them.
+// Dense attention stays where sparsity cannot pay or cannot run: decode steps, contexts below `threshold` cells,
+// the first `skip` layers, no flash attention (V transposed), or a backend without the op (logged once).
+
+#include "llama-kvp-stage.h"
+#include "llama-kvp-impl.h"
+
+#include "ggml-sparse-attn.h"
+
+#include "llama-context.h"
+#include "llama-graph.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
+    llama_kvp_prefill_sparse() : llama_kvp_prefill_stage(LLAMA_KVP_PREFILL_SPARSE, LLAMA_KVP_SLOT_PREFILL, "sparse",
+            "segment,block,base,e_t,alpha,delta_t,threshold,skip,per_head,chunk,guide",
+            "per-head entropy-guided block-sparse attention in prompt ubatches (EntropyInfer); chunks as dense") {}
+
+    void defaults(llama_kvp_policy & p) const override {
+        p.segment   = 64;
+        p.block     = 64;
+        p.base      = 1024;
+        p.e_t       = 0.5f;
+        p.alpha     = 1.0f;
+        p.delta_t   = 0.1f;
+        p.threshold = 2048;
+        p.skip      = 1;
+        p.per_head  = 1;
+        p.chunk     = 128;
+        p.guide     = 0;
+    }
+
+    std::string check(const llama_kvp_policy & p) const override {
+        char buf[192];
+        if (p.block < 16 || p.block > 256 || 256 % p.block != 0) {
+            snprintf(buf, sizeof(buf), "block must divide 256 and be >= 16 (16, 32, 64, 128 or 256; got %d)", p.block);
+            return buf;
+        }
+        if (p.segment < 1 || p.segment > 128) {
+            snprintf(buf, sizeof(buf), "segment must be in [1, 128] (got %d)", p.segment);
+            return buf;
+        }
+        if (p.segment % p.block != 0 && p.block % p.segment != 0) {
+            snprintf(buf, sizeof(buf), "block (%d) must divide segment (%d) or segment divide block", p.block, p.segment);
+            return buf;
+        }
+        if (p.base < p.block) {
+            snprintf(buf, sizeof(buf), "base must be >= block (%d) (got %d)", p.block, p.base);
+            return buf;
+        }
+        if (!(p.e_t >= 0.0f && p.e_t <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "e_t must be in [0, 1] (a normalised entropy; got %g)", (double) p.e_t);
+            return buf;
+        }
+        if (!(p.alpha >= 0.0f && p.alpha <= 16.0f)) {
+            snprintf(buf, sizeof(buf), "alpha must be in [0, 16] (got %g)", (double) p.alpha);
+            return buf;
+        }
+        if (!(p.delta_t >= 0.0f && p.delta_t <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "delta_t must be in [0, 1] (got %g)", (double) p.delta_t);
+            return buf;
+        }
+        if (p.threshold < 0) {
+            snprintf(buf, sizeof(buf), "threshold must be >= 0 (got %d)", p.threshold);
+            return buf;
+        }
+        if (p.skip < 0) {
+            snprintf(buf, sizeof(buf), "skip must be >= 0 (got %d)", p.skip);
+            return buf;
+        }
+        if (p.per_head != 0 && p.per_head != 1) {
+            snprintf(buf, sizeof(buf), "per_head must be 0 or 1 (got %d)", p.per_head);
+            return buf;
+        }
+        return llama_kvp_check_chunk(p);
+    }
+
+    uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
+        return llama_kvp_prefill_n_guide(p, n_ubatch);
+    }
+};
+
+const llama_kvp_stage * llama_kvp_stage_prefill_sparse() {
+    static const llama_kvp_prefill_sparse stage;
+    return &stage;
+}
+
+bool llama_kvp_policy_sparse(const llama_kvp_policy & p) {
+    return p.stage[LLAMA_KVP_SLOT_PREFILL] == LLAMA_KVP_PREFILL_SPARSE;
+}
+
+//
+// state tensors (one buffer per layer, beside the layer's K cache)
+//
+
+void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx) {
+    auto & L = st->layers[ikv];
+    ggml_tensor * k = llama_kvp_kv_access::layer_k(*st->layer_kv(ikv), st->mem ? 0 : ikv);
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ size_t(4u*ggml_tensor_overhead()),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+    if (!ctx) {
+        throw std::runtime_error("pykvcache: failed to create a ggml context for the sparse prefill state");
+    }
+    L.sp_ctx.reset(ctx);
+    const int64_t n_seg = (n_ctx + st->policy.segment - 1)/st->policy.segment + 1;
+    L.sp_state   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, 3);
+    L.sp_budget  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
+    L.sp_entropy = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
+    L.sp_count   = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 3);
+    ggml_format_name(L.sp_state,   "kvp_sp_state-%d",   L.il);
+    ggml_format_name(L.sp_budget,  "kvp_sp_budget-%d",  L.il);
+    ggml_format_name(L.sp_entropy, "kvp_sp_entropy-%d", L.il);
+    ggml_format_name(L.sp_count,   "kvp_sp_count-%d",   L.il);
+
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+    if (!buf) {
+        throw std::runtime_error(std::string("pykvcache: failed to allocate the sparse prefill state in ") + ggml_backend_buft_name(buft));
+    }
+    ggml_backend_buffer_clear(buf, 0);
+    L.sp_buf.reset(buf);
+    L.n_seg_max = (int32_t) n_seg;
+}
+
+//
+// graph input: sequence start, segment rows, and per cell set the blocks every head computes
+//
+
+static constexpr float LLAMA_KVP_SPARSE_BIG = 1.0e20f; // rank bonus of the sink and local blocks
+
+class llama_kvp_sparse_input : public llm_graph_input_i {
+public:
+    llama_kvp_sparse_input(llama_kvp_context * st, int64_t n_tokens) : st(st), n_tokens(n_tokens) {}
+
+    void set_input(const llama_ubatch * ubatch) override;
+
+    // the forced-block input of the cells of KV layer ikv (one per cache: shared by all layers of a unified cache)
+    ggml_tensor * forced_for(ggml_context * ctx0, int32_t ikv, int64_t n_blk, int64_t n_seg);
+
+    llama_kvp_context * st;
+    const int64_t n_tokens;
+
+    ggml_tensor * keep     = nullptr; // F32 [1]      0 when the ubatch starts the sequence (state reset), else 1
+    ggml_tensor * seg_rows = nullptr; // I64 [n_seg]  segment index of each segment in the sequence (telemetry rows)
+
+    struct forced_set {
+        const llama_kv_cache * kv;
+        int64_t       n_blk;
+        ggml_tensor * t;   // F32 [n_blk, n_seg] BIG for blocks every head computes, else 0
+    };
+    std::vector<forced_set> forced;
+};
+
+ggml_tensor * llama_kvp_sparse_input::forced_for(ggml_context * ctx0, int32_t ikv, int64_t n_blk, int64_t n_seg) {
+    const llama_kv_cache * kv = st->layer_kv(ikv);
+    for (const auto & f : forced) {
+        if (f.kv == kv && f.n_blk == n_blk) {
+            return f.t;
+        }
+    }
+    ggml_tensor * t = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_blk, n_seg);
+    ggml_set_input(t);
+    forced.push_back({ kv, n_blk, t });
+    return t;
+}
+
+void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
+    const auto & p = st->policy;
+    const int64_t seg   = p.segment;
+    const int64_t blk   = p.block;
+    const int64_t n_seg = (n_tokens + seg - 1)/seg;
+
+    // position range of each segment
+    std::vector<llama_pos> lo(n_seg, INT32_MAX);
+    std::vector<llama_pos> hi(n_seg, -1);
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        const int64_t s = i/seg;
+        lo[s] = std::min(lo[s], ubatch->pos[i]);
+        hi[s] = std::max(hi[s], ubatch->pos[i]);
+    }
+
+    if (keep) {
+        const float v = ubatch->pos[0] > 0 ? 1.0f : 0.0f;
+        ggml_backend_tensor_set(keep, &v, 0, sizeof(v));
+    }
+    if (seg_rows) {
+        std::vector<int64_t> rows(n_seg);
+        const int64_t n_rows = seg_rows->ne[0] > 0 ? st->layers[0].n_seg_max : 1;
+        for (int64_t s = 0; s < n_seg; ++s) {
+            rows[s] = std::min<int64_t>(std::max<llama_pos>(lo[s], 0)/seg, n_rows - 1);
+        }
+        ggml_backend_tensor_set(seg_rows, rows.data(), 0, n_seg*sizeof(int64_t));
+    }
+
+    // sink: the block holding position 0; local: blocks holding the segment's positions and the `block` before them
+    std::vector<float> buf;
+    for (const auto & f : forced) {
+        buf.assign(f.n_blk*n_seg, 0.0f);
+        const int64_t n_cells = std::min<int64_t>(f.n_blk*blk, f.kv->get_size());
+        for (int64_t c = 0; c < n_cells; ++c) {
+            const llama_pos pos = llama_kvp_kv_access::cell_pos(*f.kv, (uint32_t) c);
+            if (pos < 0) {
+                continue;
+            }
+            const int64_t b = c/blk;
+            for (int64_t s = 0; s < n_seg; ++s) {
+                if (pos == 0 || (pos >= lo[s] - blk && pos <= hi[s])) {
+                    buf[s*f.n_blk + b] = LLAMA_KVP_SPARSE_BIG;
+                }
+            }
+        }
+        ggml_backend_tensor_set(f.t, buf.data(), 0, buf.size()*sizeof(float));
+    }
+}
+
+//
+// graph hook
+//
+
+static thread_local llama_kvp_context      * g_sp_st  = nullptr;
+static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
+
+void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp) {
+    g_sp_st  = kvp;
+    g_sp_inp = nullptr;
+}
+
+// why a layer cannot run sparse on this backend ("" if it can)
+static std::string llama_kvp_sparse_unsupported(ggml_tensor * node, ggml_tensor * k) {
+    if (!k->buffer) {
+        return "";
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(k->buffer));
+    if (dev && !ggml_backend_dev_supports_op(dev, node)) {
+        return std::string("the ") + ggml_backend_dev_name(dev) + " backend cannot run it for K type " + ggml_type_name(k->type);
+    }
+    return "";
+}
+
+ggml_tensor * llama_kvp_graph_sparse_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il) {
+    llama_kvp_context * st = g_sp_st;
+    if (!st || !llama_kvp_policy_sparse(st->policy) || gctx.cparams.training) {
+        return nullptr;
+    }
+    if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
+        return nullptr;
+    }
+    const auto & p = st->policy;
+    const int32_t ikv = st->layer_of_il[il];
+    auto & L = st->layers[ikv];
+
+    const int64_t n_tokens = q->ne[2];
+    const int64_t n_kv     = k->ne[2];
+    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !L.sp_state) {
+        return nullptr; // decode step, short context or an early layer: dense
+    }
+    if (!gctx.cparams.flash_attn || v->nb[1] > v->nb[2] || k->ne[3] != 1 || kq_mask == nullptr) {
+        if (!st->sparse_warned) {
+            LLAMA_LOG_WARN("%s: pykvcache sparse prefill needs flash attention (V not transposed): prefill stays dense\n", __func__);
+            st->sparse_warned = true;
+        }
+        return nullptr;
+    }
+
+    ggml_context * ctx0 = gctx.ctx0;
+    ggml_cgraph  * gf   = gctx.gf;
+    const auto & hparams = gctx.hparams;
+
+    const int64_t d      = q->ne[0];
+    const int64_t n_head = q->ne[1];
+    const int64_t n_hkv  = k->ne[1];
+    const int64_t seg    = p.segment;
+    const int64_t blk    = p.block;
+    const int64_t n_seg  = (n_tokens + seg - 1)/seg;
+    const int64_t n_blk  = (n_kv + blk - 1)/blk;
+    const int64_t n_list = std::min<int64_t>(n_blk, (3*(int64_t) p.base + blk - 1)/blk + 4);
+    const float   base   = (float) p.base;
+
+    // the op itself first: if the backend of this layer cannot run it, nothing else is added
+    ggml_tensor * qp = ggml_permute(ctx0, q, 0, 2, 1, 3);   // [d, n_tokens, n_head]
+    ggml_tensor * kp = ggml_permute(ctx0, k, 0, 2, 1, 3);   // [d, n_kv, n_hkv]
+    ggml_tensor * vp = ggml_permute(ctx0, v, 0, 2, 1, 3);
+    ggml_tensor * blocks_proto = ggml_new_tensor_3d(ctx0, GGML_TYPE_I32, n_list, n_seg, n_head);
+    ggml_tensor * counts_proto = ggml_new_tensor_2d(ctx0, GGML_TYPE_I32, n_seg, n_head);
+    const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+    {
+        ggml_tensor * proto = ggml_sparse_attn_ext(ctx0, qp, kp, vp, kq_mask, blocks_proto, counts_proto, kq_scale,
+                hparams.f_max_alibi_bias, softcap, (int32_t) seg, (int32_t) blk);
+        const std::string why = llama_kvp_sparse_unsupported(proto, k);
+        if (!why.empty()) {
+            if (!st->sparse_warned) {
+                LLAMA_LOG_WARN("%s: pykvcache sparse prefill: %s; prefill stays dense\n", __func__, why.c_str());
+                st->sparse_warned = true;
+            }
+            return nullptr;
+        }
+    }
+
+    // one input object per graph, shared by the layers
+    if (!g_sp_inp || g_sp_inp->n_tokens != n_tokens) {
+        auto inp = std::make_unique<llama_kvp_sparse_input>(st, n_tokens);
+        inp->keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, 1);
+        ggml_set_input(inp->keep);
+        inp->seg_rows = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_seg);
+        ggml_set_input(inp->seg_rows);
+        g_sp_inp = (llama_kvp_sparse_input *) gctx.res->add_input(std::move(inp));
+    }
+    llama_kvp_sparse_input * inp = g_sp_inp;
+    ggml_tensor * forced = inp->forced_for(ctx0, ikv, n_blk, n_seg);
+
+    // 1. pooled queries [2d, n_seg, n_head] and keys [2d, n_blk, n_hkv]
+    ggml_tensor * qt = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, ggml_cont(ctx0, q), d*n_head, n_tokens))); // [n_tokens, d*n_head]
+    if (n_seg*seg != n_tokens) {
+        qt = ggml_pad(ctx0, qt, (int) (n_seg*seg - n_tokens), 0, 0, 0);
+    }
+    ggml_tensor * kt = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, ggml_cast(ctx0, k, GGML_TYPE_F32), d*n_hkv, n_kv))); // [n_kv, d*n_hkv]
+
+    auto pool_pair = [&](ggml_tensor * x, int64_t width, int64_t n_out, int64_t n_h) {
+        ggml_tensor * mx = ggml_pool_2d(ctx0, x,               GGML_OP_POOL_MAX, (int) width, 1, (int) width, 1, 0, 0);
+        ggml_tensor * mn = ggml_neg(ctx0, ggml_pool_2d(ctx0, ggml_neg(ctx0, x), GGML_OP_POOL_MAX, (int) width, 1, (int) width, 1, 0, 0));
+        // [n_out, d*n_h] -> [d, n_out, n_h]
+        auto arrange = [&](ggml_tensor * t) {
+            t = ggml_cont(ctx0, ggml_transpose(ctx0, t));                 // [d*n_h, n_out]
+            t = ggml_reshape_3d(ctx0, t, d, n_h, n_out);
+            return ggml_cont(ctx0, ggml_permute(ctx0, t, 0, 2, 1, 3));   // [d, n_out, n_h]
+        };
+        return ggml_concat(ctx0, arrange(mx), arrange(mn), 0);            // [2d, n_out, n_h]
+    };
+    ggml_tensor * q_pool = pool_pair(qt, seg, n_seg, n_head);
+    ggml_tensor * k_pool = pool_pair(kt, blk, n_blk, n_hkv);
+
+    ggml_tensor * s = ggml_mul_mat(ctx0, k_pool, q_pool);                 // [n_blk, n_seg, n_head]
+    ggml_prec_set_acc(s, GGML_PREC_F32);
+
+    // block visibility from the token mask: 1 if some query of the segment sees some cell of the block
+    ggml_tensor * m = ggml_view_2d(ctx0, kq_mask, n_kv, n_tokens, kq_mask->nb[1], 0);
+    m = ggml_scale_bias(ctx0, ggml_cast(ctx0, m, GGML_TYPE_F32), 1.0f, 1.0f);  // visible 1, masked -inf
+    if (n_seg*seg != n_tokens) {
+        m = ggml_pad(ctx0, m, 0, (int) (n_seg*seg - n_tokens), 0, 0);         // padding rows 0: not visible
+    }
+    ggml_tensor * vis = ggml_step(ctx0, ggml_scale_bias(ctx0,
+            ggml_pool_2d(ctx0, m, GGML_OP_POOL_MAX, (int) blk, (int) seg, (int) blk, (int) seg, 0, 0), 1.0f, -0.5f)); // [n_blk, n_seg]
+    ggml_tensor * bmask = ggml_scale_bias(ctx0, vis, 1.0e30f, -1.0e30f);   // 0 visible, -1e30 not
+
+    // 2. normalised block entropy per segment and head
+    ggml_tensor * prob = ggml_soft_max_ext(ctx0, s, bmask, kq_scale, 0.0f);
+    ggml_tensor * ent  = ggml_sum_rows(ctx0, ggml_mul(ctx0, prob, ggml_log(ctx0, ggml_scale_bias(ctx0, prob, 1.0f, 1e-30f)))); // [1, n_seg, n_head]
+    ggml_tensor * n_vis  = ggml_sum_rows(ctx0, vis);                                                         // [1, n_seg]
+    ggml_tensor * lognv  = ggml_log(ctx0, ggml_clamp(ctx0, n_vis, 2.0f, 1.0e9f));
+    ent = ggml_reshape_2d(ctx0, ent, n_seg, n_head);
+    ent = ggml_div(ctx0, ent, ggml_reshape_2d(ctx0, lognv, n_seg, 1));
+    ent = ggml_scale(ctx0, ent, -1.0f);                                                              // [n_seg, n_head]
+    ggml_tensor * ent_t = ggml_cont(ctx0, ggml_transpose(ctx0, ent));                                // [n_head, n_seg]
+
+    // 3. Rigid/Dynamic and the budget of each segment, carried over from the previous ubatch
+    auto col = [&](ggml_tensor * t, int64_t j) {
+        return ggml_view_1d(ctx0, t, t->ne[0], j*t->nb[1]);
+    };
+    auto blend = [&](ggml_tensor * kept, ggml_tensor * fresh) { // keep ? kept : fresh
+        return ggml_add(ctx0, fresh, ggml_mul(ctx0, ggml_sub(ctx0, kept, fresh), inp->keep));
+    };
+    ggml_tensor * h0        = col(ent_t, 0);
+    ggml_tensor * h_prev    = blend(col(L.sp_state, 0), h0);
+    ggml_tensor * b_prev    = blend(col(L.sp_state, 1), ggml_scale_bias(ctx0, h0, 0.0f, base));
+    ggml_tensor * dyn       = ggml_mul(ctx0, col(L.sp_state, 2), inp->keep);
+    ggml_tensor * budgets   = nullptr;                                                               // [n_head, n_seg]
+    for (int64_t js = 0; js < n_seg; ++js) {
+        ggml_tensor * h = col(ent_t, js);
+        ggml_tensor * above = ggml_step(ctx0, ggml_scale_bias(ctx0, h, 1.0f, -p.e_t + 1e-7f));
+        dyn = ggml_sub(ctx0, ggml_add(ctx0, dyn, above), ggml_mul(ctx0, dyn, above));              // dyn or above
+        ggml_tensor * r = ggml_div(ctx0, ggml_sub(ctx0, h, h_prev), ggml_clamp(ctx0, h_prev, 1e-6f, 1.0e9f));
+        r = ggml_clamp(ctx0, r, 0.0f, 1.0f + p.delta_t);
+        ggml_tensor * b = ggml_add(ctx0, b_prev, ggml_scale_bias(ctx0, r, p.alpha*base, -p.alpha*base*p.delta_t));
+        b = ggml_clamp(ctx0, b, base, 3.0f*base);
+        b = ggml_add(ctx0, ggml_scale_bias(ctx0, dyn, 0.0f, base), ggml_mul(ctx0, dyn, ggml_scale_bias(ctx0, b, 1.0f, -base))); // Rigid: base
+        b_prev  = b;
+        h_prev  = h;
+        budgets = budgets ? ggml_concat(ctx0, budgets, ggml_reshape_2d(ctx0, b, n_head, 1), 1) : ggml_reshape_2d(ctx0, b, n_head, 1);
+    }
+    if (!p.per_head) {
+        ggml_tensor * bmax = ggml_pool_2d(ctx0, budgets, GGML_OP_POOL_MAX, (int) n_head, 1, (int) n_head, 1, 0, 0); // [1, n_seg]
+        budgets = ggml_repeat(ctx0, bmax, budgets);
+    }
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, ggml_concat(ctx0, ggml_concat(ctx0,
+            ggml_reshape_2d(ctx0, h_prev, n_head, 1), ggml_reshape_2d(ctx0, b_prev, n_head, 1), 1),
+            ggml_reshape_2d(ctx0, dyn, n_head, 1), 1), L.sp_state));
+
+    // 4. blocks per head and segment: sink and local blocks first, then by pooled score
+    ggml_tensor * n_blocks = ggml_ceil(ctx0, ggml_scale(ctx0, budgets, 1.0f/(float) blk));        // [n_head, n_seg]
+    ggml_tensor * counts   = ggml_cast(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, n_blocks)), GGML_TYPE_I32); // [n_seg, n_head]
+    ggml_tensor * rank     = ggml_add(ctx0, ggml_add(ctx0, s, bmask), forced);
+    ggml_tensor * blocks   = ggml_cont(ctx0, ggml_argsort_top_k(ctx0, rank, (int) n_list));        // [n_list, n_seg, n_head]
+
+    ggml_tensor * cur = ggml_sparse_attn_ext(ctx0, qp, kp, vp, kq_mask, blocks, counts, kq_scale,
+            hparams.f_max_alibi_bias, softcap, (int32_t) seg, (int32_t) blk);
+    ggml_sparse_attn_ext_add_sinks(cur, sinks);
+    ggml_format_name(cur, "kvp_sparse_attn-%d", il);
+
+    // telemetry: budgets and entropies by segment of the sequence, blocks computed and visible
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L.sp_budget,  budgets, inp->seg_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L.sp_entropy, ent_t,   inp->seg_rows));
+    ggml_tensor * nv_row = ggml_reshape_2d(ctx0, n_vis, 1, n_seg);
+    ggml_tensor * done   = ggml_sub(ctx0, n_blocks, ggml_relu(ctx0, ggml_sub(ctx0, n_blocks, nv_row))); // min(count, visible)
+    ggml_tensor * tally  = ggml_concat(ctx0, ggml_concat(ctx0, ggml_sum(ctx0, done), ggml_scale(ctx0, ggml_sum(ctx0, n_vis), (float) n_head), 0),
+            ggml_scale_bias(ctx0, ggml_sum(ctx0, n_vis), 0.0f, 1.0f), 0);                          // [3]
+    ggml_tensor * acc    = ggml_add(ctx0, ggml_mul(ctx0, L.sp_count, inp->keep), tally);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, L.sp_count));
+
+    return ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]);
+}
+
+//
+// telemetry
+//
+
+int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg) {
+    if (!st || ikv < 0 || ikv >= (int32_t) st->layers.size() || !st->layers[ikv].sp_state) {
+        return -1;
+    }
+    if (st->lctx) {
+        ggml_backend_sched_synchronize(st->lctx->get_sched());
+    }
+    const auto & L = st->layers[ikv];
+    const int64_t nh = st->n_head;
+    if (count3) {
+        ggml_backend_tensor_get(L.sp_count, count3, 0, 3*sizeof(float));
+    }
+    if (dyn) {
+        ggml_backend_tensor_get(L.sp_state, dyn, 2*nh*sizeof(float), nh*sizeof(float));
+    }
+    const int64_t n = std::min<int64_t>(n_seg, L.n_seg_max);
+    if (budgets && n > 0) {
+        ggml_backend_tensor_get(L.sp_budget, budgets, 0, n*nh*sizeof(float));
+    }
+    if (entropy && n > 0) {
+        ggml_backend_tensor_get(L.sp_entropy, entropy, 0, n*nh*sizeof(float));
+    }
+    return (int32_t) n;
+}

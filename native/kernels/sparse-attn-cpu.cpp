@@ -1,0 +1,244 @@
+// sparse-attn-cpu.cpp - CPU kernel of GGML_OP_SPARSE_ATTN_EXT (compiled into ggml-cpu).
+//
+// One task per (query block, head), handed out to the threads through the threadpool's chunk counter. A task keeps
+// its query block in f32 and walks the key blocks it lists with the online softmax of the CPU flash-attention kernel
+// (tiled path): KQ = Q K^T as a small GEMM, scale, softcap, mask, running max and sum, VKQ += softmax(KQ) V. Keys and
+// values of any type with to_float are converted to f32 one block at a time.
+
+#include "ggml-sparse-attn.h"
+
+#include "ggml-cpu.h"
+#include "ggml-impl.h"
+#include "simd-gemm.h"
+#include "vec.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+// f32 scratch per thread: Q (qb*DK), KQ (qb*kb), mask (qb*kb), VKQ (qb*DV), V (kb*DV), K^T (kb*DK), K rows (kb*DK),
+// max and sum (2*qb)
+static size_t ggml_sparse_attn_ext_scratch(const ggml_tensor * dst) {
+    const int64_t DK = dst->src[1]->ne[0];
+    const int64_t DV = dst->src[2]->ne[0];
+    const int64_t qb = ggml_sparse_attn_ext_q_block(dst);
+    const int64_t kb = ggml_sparse_attn_ext_k_block(dst);
+    return (size_t) (qb*DK + 2*qb*kb + qb*DV + kb*DV + 2*kb*DK + 2*qb + CACHE_LINE_SIZE_F32);
+}
+
+size_t ggml_cpu_sparse_attn_ext_work_size(const ggml_tensor * dst, int n_tasks) {
+    return sizeof(float)*ggml_sparse_attn_ext_scratch(dst)*n_tasks;
+}
+
+// converts rows [c0, c0 + n) of k or v (one KV head) to f32, row-major [n][D]
+static void ggml_sparse_attn_rows_f32(const ggml_tensor * t, int64_t c0, int64_t n, int64_t ih, float * out) {
+    const int64_t D = t->ne[0];
+    for (int64_t i = 0; i < n; ++i) {
+        const char * row = (const char *) t->data + (c0 + i)*t->nb[1] + ih*t->nb[2];
+        float * dst = out + i*D;
+        switch (t->type) {
+            case GGML_TYPE_F32: memcpy(dst, row, D*sizeof(float)); break;
+            case GGML_TYPE_F16: ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) row, dst, D); break;
+            default:            ggml_get_type_traits(t->type)->to_float(row, dst, D); break;
+        }
+    }
+}
+
+static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_tensor * dst, int64_t iqb, int64_t ih, float * wdata) {
+    const ggml_tensor * q      = dst->src[0];
+    const ggml_tensor * k      = dst->src[1];
+    const ggml_tensor * v      = dst->src[2];
+    const ggml_tensor * mask   = dst->src[3];
+    const ggml_tensor * blocks = dst->src[4];
+    const ggml_tensor * counts = dst->src[5];
+    const ggml_tensor * sinks  = dst->src[6];
+    (void) params;
+
+    const int64_t DK     = k->ne[0];
+    const int64_t DV     = v->ne[0];
+    const int64_t n_q    = q->ne[1];
+    const int64_t n_kv   = k->ne[1];
+    const int64_t n_head = q->ne[2];
+    const int64_t QB     = ggml_sparse_attn_ext_q_block(dst);
+    const int64_t KB     = ggml_sparse_attn_ext_k_block(dst);
+    const int64_t n_kb   = (n_kv + KB - 1)/KB;
+    const int64_t n_list = blocks->ne[0];
+
+    float scale         = 1.0f;
+    float max_bias      = 0.0f;
+    float logit_softcap = 0.0f;
+    memcpy(&scale,         (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias,      (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&logit_softcap, (const float *) dst->op_params + 2, sizeof(float));
+    if (logit_softcap != 0.0f) {
+        scale /= logit_softcap;
+    }
+
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) n_head));
+    const float m0    = powf(2.0f, -(max_bias       )/n_head_log2);
+    const float m1    = powf(2.0f, -(max_bias / 2.0f)/n_head_log2);
+    const float slope = max_bias > 0.0f ? (ih < n_head_log2 ? powf(m0, ih + 1) : powf(m1, 2*(ih - n_head_log2) + 1)) : 1.0f;
+
+    const int64_t ik = ih/(n_head/k->ne[2]);
+    const int64_t iv = ih/(n_head/v->ne[2]);
+
+    const int64_t q0   = iqb*QB;
+    const int64_t rows = std::min(QB, n_q - q0);
+
+    float * Qf   = wdata;
+    float * KQ   = Qf   + QB*DK;
+    float * M32  = KQ   + QB*KB;
+    float * VKQ  = M32  + QB*KB;
+    float * V32  = VKQ  + QB*DV;
+    float * KT   = V32  + KB*DV;
+    float * Kr   = KT   + KB*DK;
+    float * Mx   = Kr   + KB*DK;
+    float * Sm   = Mx   + QB;
+
+    for (int64_t r = 0; r < QB; ++r) {
+        if (r < rows) {
+            memcpy(Qf + r*DK, (const char *) q->data + (q0 + r)*q->nb[1] + ih*q->nb[2], DK*sizeof(float));
+        } else {
+            memset(Qf + r*DK, 0, DK*sizeof(float));
+        }
+        Mx[r] = -INFINITY;
+        Sm[r] = 0.0f;
+    }
+    memset(VKQ, 0, QB*DV*sizeof(float));
+
+    const int32_t * list  = (const int32_t *) ((const char *) blocks->data + iqb*blocks->nb[1] + ih*blocks->nb[2]);
+    const int32_t   count = std::max<int32_t>(0, std::min<int32_t>((int32_t) n_list,
+                                *(const int32_t *) ((const char *) counts->data + iqb*counts->nb[0] + ih*counts->nb[1])));
+
+    for (int32_t il = 0; il < count; ++il) {
+        const int64_t ib = list[il];
+        if (ib < 0 || ib >= n_kb) {
+            continue;
+        }
+        const int64_t c0 = ib*KB;
+        const int64_t nc = std::min(KB, n_kv - c0);
+
+        // mask of the tile (-inf outside the block and for padding rows); skip a tile masked everywhere
+        bool any = mask == nullptr;
+        for (int64_t r = 0; r < QB; ++r) {
+            float * mr = M32 + r*KB;
+            if (r >= rows) {
+                for (int64_t c = 0; c < KB; ++c) { mr[c] = -INFINITY; }
+                continue;
+            }
+            if (mask) {
+                const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (q0 + r)*mask->nb[1]) + c0;
+                for (int64_t c = 0; c < nc; ++c) {
+                    mr[c] = slope*GGML_CPU_FP16_TO_FP32(mp[c]);
+                    any = any || mr[c] != -INFINITY;
+                }
+            } else {
+                for (int64_t c = 0; c < nc; ++c) { mr[c] = 0.0f; }
+            }
+            for (int64_t c = nc; c < KB; ++c) { mr[c] = -INFINITY; }
+        }
+        if (!any) {
+            continue;
+        }
+
+        // K^T tile [DK][KB] (zero-padded columns), KQ = Q K^T
+        ggml_sparse_attn_rows_f32(k, c0, nc, ik, Kr);
+        for (int64_t c = 0; c < KB; ++c) {
+            for (int64_t d = 0; d < DK; ++d) {
+                KT[d*KB + c] = c < nc ? Kr[c*DK + d] : 0.0f;
+            }
+        }
+        memset(KQ, 0, QB*KB*sizeof(float));
+        simd_gemm(KQ, Qf, KT, (int) QB, (int) DK, (int) KB);
+        ggml_vec_scale_f32((int) (QB*KB), KQ, scale);
+        if (logit_softcap != 0.0f) {
+            ggml_vec_tanh_f32((int) (QB*KB), KQ, KQ);
+            ggml_vec_scale_f32((int) (QB*KB), KQ, logit_softcap);
+        }
+        ggml_vec_add_f32((int) (QB*KB), KQ, KQ, M32);
+
+        // online softmax per row
+        for (int64_t r = 0; r < QB; ++r) {
+            float * kr = KQ + r*KB;
+            float tile_max = -INFINITY;
+            ggml_vec_max_f32((int) KB, &tile_max, kr);
+            if (tile_max == -INFINITY) {
+                memset(kr, 0, KB*sizeof(float));
+                continue;
+            }
+            const float m_new = std::max(Mx[r], tile_max);
+            if (m_new > Mx[r]) {
+                const float ms = expf(Mx[r] - m_new);
+                ggml_vec_scale_f32((int) DV, VKQ + r*DV, ms);
+                Sm[r] *= ms;
+            }
+            Mx[r] = m_new;
+            Sm[r] += (float) ggml_vec_soft_max_f32((int) KB, kr, kr, m_new);
+        }
+
+        // VKQ += P V
+        ggml_sparse_attn_rows_f32(v, c0, nc, iv, V32);
+        if (nc < KB) {
+            memset(V32 + nc*DV, 0, (KB - nc)*DV*sizeof(float));
+        }
+        simd_gemm(VKQ, KQ, V32, (int) QB, (int) KB, (int) DV);
+    }
+
+    const float s_sink = sinks ? ((const float *) sinks->data)[ih] : -INFINITY;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (sinks) {
+            float ms = 1.0f;
+            float vs = 1.0f;
+            if (s_sink > Mx[r]) {
+                ms = expf(Mx[r] - s_sink);
+                ggml_vec_scale_f32((int) DV, VKQ + r*DV, ms);
+            } else {
+                vs = expf(s_sink - Mx[r]);
+            }
+            Sm[r] = Sm[r]*ms + vs;
+        }
+        const float inv = Sm[r] == 0.0f ? 0.0f : 1.0f/Sm[r];
+        ggml_vec_scale_f32((int) DV, VKQ + r*DV, inv);
+        // result [DV, n_head, n_q]
+        memcpy((char *) dst->data + (q0 + r)*dst->nb[2] + ih*dst->nb[1], VKQ + r*DV, DV*sizeof(float));
+    }
+}
+
+void ggml_compute_forward_sparse_attn_ext(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    GGML_ASSERT(q->type == GGML_TYPE_F32);
+    GGML_ASSERT(q->nb[0] == sizeof(float));
+    GGML_ASSERT(k->nb[0] == ggml_type_size(k->type) && dst->src[2]->nb[0] == ggml_type_size(k->type));
+    GGML_ASSERT(k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || ggml_get_type_traits(k->type)->to_float);
+
+    const int64_t QB     = ggml_sparse_attn_ext_q_block(dst);
+    const int64_t n_qb   = (q->ne[1] + QB - 1)/QB;
+    const int64_t n_task = n_qb*q->ne[2];
+
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    float * wdata = (float *) params->wdata + ith*ggml_sparse_attn_ext_scratch(dst);
+
+    if (ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, nth);
+    }
+    ggml_barrier(params->threadpool);
+
+    // later query blocks list more blocks: hand out the tasks from the last query block down
+    for (int64_t t = ith; t < n_task; t = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        const int64_t iqb = n_qb - 1 - t/q->ne[2];
+        const int64_t ih  = t % q->ne[2];
+        ggml_sparse_attn_ext_task(params, dst, iqb, ih, wdata);
+    }
+}
+
+bool ggml_cpu_sparse_attn_ext_supported(const ggml_tensor * op) {
+    const ggml_tensor * k = op->src[1];
+    const ggml_tensor * v = op->src[2];
+    const bool convertible = k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || ggml_get_type_traits(k->type)->to_float != nullptr;
+    return op->src[0]->type == GGML_TYPE_F32 && k->type == v->type && convertible &&
+           k->nb[0] == ggml_type_size(k->type) && v->nb[0] == ggml_type_size(v->type);
+}

@@ -1,0 +1,55 @@
+"""GGML_OP_SPARSE_ATTN_EXT (native/kernels): the installed sparse-attn-check binary cross-checks the op against
+ggml_flash_attn_ext with every block listed, against a double-precision host reference with random block subsets, and
+(where one is present and supports the op) a non-CPU backend against the CPU backend; every case must pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pykvcache import cli
+
+
+def check_path():
+    """Path of the sparse-attn-check binary installed beside kvbench (pykvcache/bin)."""
+    name = "sparse-attn-check.exe" if sys.platform == "win32" else "sparse-attn-check"
+    return cli.kvbench_path().parent / name
+
+
+def sparse_attn_check(*args):
+    exe = check_path()
+    if not exe.is_file():
+        pytest.fail(f"sparse-attn-check is missing ({exe}); reinstall with `bash scripts/setup.sh`")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600, cwd="/")
+
+
+@pytest.mark.parametrize("cases, seed", [(60, 1), (40, 7)])
+def test_sparse_attn_op_matches_flash_attention_and_reference(cases, seed):
+    p = sparse_attn_check("--cases", str(cases), "--seed", str(seed))
+    assert p.stdout.strip(), f"no output (rc={p.returncode}): {p.stderr[-2000:]}"
+    out = json.loads(p.stdout)
+    assert out["cases"] == cases
+    assert out["fail"] == 0, json.dumps(out["failures"], indent=1)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert out["max_nmse_vs_flash"] is not None and out["max_nmse_vs_flash"] <= out["nmse_threshold"]
+    assert out["max_nmse_vs_ref"] is not None and out["max_nmse_vs_ref"] <= out["nmse_threshold"]
+    # the subsets really exercised what the op must skip
+    sub = out["subsets"]
+    assert sub["out_of_range_ids"] > 0 and sub["clamped_counts"] > 0 and sub["ids_past_count"] > 0
+    assert 0 < sub["rows_seeing_nothing"] < sub["rows"]
+    assert out["backends"]["CPU"]["ran"] == cases
+    for name, b in out["backends"].items():
+        if name != "CPU":
+            assert b["fail"] == 0, (name, b)
+
+
+def test_sparse_attn_check_help_and_bad_arguments():
+    p = sparse_attn_check("--help")
+    assert p.returncode == 0
+    for flag in ("--cases", "--seed", "--threads", "--help"):
+        assert flag in p.stdout
+    p = sparse_attn_check("--cases", "zero")
+    assert p.returncode == 2 and "--cases" in p.stderr

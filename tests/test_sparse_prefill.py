@@ -1,0 +1,127 @@
+"""Sparse prefill (prefill stage `sparse`) on the real model: close to dense attention, telemetry that adds up,
+composition with retention policies, dense fallback, and one-line errors for bad keys."""
+
+import numpy as np
+import pytest
+
+from pykvcache import EntropyLayerBudget, FullCache, Llama, PolicyError, SparsePrefill, parse_policy
+from pykvcache.corpus import essays
+
+N_PROMPT = 1500
+SPARSE = "none+sparse:threshold=256,base=128"
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def kl(ref: np.ndarray, got: np.ndarray) -> float:
+    a, b = log_softmax(ref), log_softmax(got)
+    return float((np.exp(a) * (a - b)).sum())
+
+
+@pytest.fixture(scope="module")
+def prompt(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    toks = llm.tokenize(" ".join(essays()).encode())[:N_PROMPT]
+    llm.close()
+    return toks
+
+
+def last_logits(model_path, toks, policy, **kw):
+    llm = Llama(model_path, n_ctx=2048, n_batch=512, n_ubatch=512, kv_policy=policy, verbose=False, **kw)
+    llm.eval(toks)
+    return llm, np.array(llm._ctx.get_logits()[: llm.n_vocab()])
+
+
+@pytest.fixture(scope="module")
+def dense(model_path, prompt):
+    llm, logits = last_logits(model_path, prompt, None, flash_attn=True)
+    llm.close()
+    return logits
+
+
+def test_sparse_prefill_is_close_to_dense_and_computes_fewer_blocks(model_path, prompt, dense):
+    llm, logits = last_logits(model_path, prompt, SPARSE)
+    assert llm.kv_policy.sparse and not llm.kv_policy.observes and not llm.kv_policy.retains
+    assert kl(dense, logits) < 0.05
+    assert logits.argmax() == dense.argmax()
+
+    sp = llm.kv_sparse()
+    n_layer, n_head = sp.dynamic.shape
+    assert n_layer == 30 and n_head == 9
+    # layer 0 stays dense (skip=1); the others ran every ubatch (512 cells or more, above the threshold) sparse
+    assert sp.n_ubatch[0] == 0 and sp.density[0] == 1.0
+    assert (sp.n_ubatch[1:] == 3).all()
+    assert (sp.density[1:] > 0.05).all() and (sp.density[1:] < 1.0).all()
+    assert 0.0 < sp.total_density < 1.0
+    # budgets of the segments that ran sparse lie in [base, 3*base]; Rigid heads keep base everywhere
+    used = sp.budgets[1:]
+    assert used.shape[1] == (N_PROMPT + 63) // 64
+    assert ((used >= 128) & (used <= 384)).all()
+    rigid = np.broadcast_to(~sp.dynamic[1:, None, :], used.shape)
+    assert (used[rigid] == 128).all() and sp.dynamic[1:].any() and rigid.any()
+    assert ((sp.entropy[1:] >= 0.0) & (sp.entropy[1:] <= 1.0 + 1e-5)).all()
+
+    tel = llm.kv_telemetry()
+    assert tel.sparse is not None and "sparse" in tel.to_dict()
+    llm.close()
+
+
+def test_larger_budgets_compute_more_and_stay_closer(model_path, prompt, dense):
+    small, l_small = last_logits(model_path, prompt, "none+sparse:threshold=256,base=64")
+    large, l_large = last_logits(model_path, prompt, "none+sparse:threshold=256,base=512")
+    assert small.kv_sparse().total_density < large.kv_sparse().total_density
+    assert kl(dense, l_large) <= kl(dense, l_small)
+    small.close()
+    large.close()
+
+
+def test_per_head_zero_gives_every_head_the_layers_largest_budget(model_path, prompt):
+    llm, _ = last_logits(model_path, prompt, "none+sparse:threshold=256,base=128,per_head=0")
+    b = llm.kv_sparse().budgets[1:]
+    assert (b == b.max(axis=2, keepdims=True)).all()
+    llm.close()
+
+
+def test_composes_with_a_retention_policy(model_path, prompt):
+    pol = EntropyLayerBudget(budget=0.5) + SparsePrefill(threshold=128, base=64, block=32, segment=32)
+    assert pol.spec() == parse_policy(pol.spec()).spec()
+    assert pol.describe()["stages"]["prefill"] == "sparse" and pol.retains
+    llm = Llama(model_path, n_ctx=2048, kv_policy=pol, verbose=False)
+    out = llm(llm.detokenize(prompt[:900]).decode(errors="ignore") + "\nSummary:", max_tokens=8, temperature=0.0)
+    assert len(out["choices"][0]["text"]) > 0
+    sp = llm.kv_sparse()
+    assert sp.n_ubatch[1:].sum() > 0 and 0.0 < sp.total_density < 1.0
+    llm.close()
+
+
+def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
+    llm, logits = last_logits(model_path, prompt, SPARSE, flash_attn=False)
+    assert (llm.kv_sparse().n_ubatch == 0).all()
+    assert kl(dense, logits) < 0.02  # dense attention, without flash attention (f16 accumulation differs)
+    llm.close()
+
+
+@pytest.mark.parametrize("spec, key", [
+    ("none+sparse:block=48", "block"),
+    ("none+sparse:base=16", "base"),
+    ("none+sparse:e_t=-1", "e_t"),
+    ("none+sparse:per_head=2", "per_head"),
+    ("none+sparse:segment=0", "segment"),
+    ("none+sparse:alpha=-1", "alpha"),
+    ("none+sparse:threshold=-5", "threshold"),
+    ("none+sparse:budget=0.1", "budget"),
+])
+def test_bad_keys_fail_with_one_line_naming_the_key(spec, key):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(spec)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_full_cache_plus_sparse_in_python():
+    pol = FullCache() + SparsePrefill(base=512)
+    assert pol.spec().startswith("none+sparse:") and "base=512" in pol.spec()
+    assert pol.sparse
