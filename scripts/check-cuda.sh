@@ -93,9 +93,10 @@ if [ "$FULL" = 1 ]; then
 fi
 
 # (a) the project's own CUDA sources, and the ggml CUDA kernels of the ops our graphs add (observation: soft_max
-# with sinks, out_prod, set_rows, cpy; per-layer attention: flash attention goes through the upstream kernels)
+# with sinks, out_prod, set_rows, cpy; sparse prefill: pool_2d, argsort, and the dispatch of our op in ggml-cuda.cu;
+# per-layer attention: flash attention goes through the upstream kernels)
 mapfile -t OWN < <(find native -name '*.cu' | sort)
-KERNELS=(softmax out-prod set-rows cpy)
+KERNELS=(softmax out-prod set-rows cpy ggml-cuda pool2d argsort)
 TARGETS=()
 for f in "${OWN[@]}"; do TARGETS+=("$(basename "$f")"); done
 for k in "${KERNELS[@]}"; do TARGETS+=("$k.cu"); done
