@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Dict, Generator, Optional, Sequence
 
 import numpy as np
 
@@ -229,19 +229,23 @@ class Llama(llama_cpp.Llama):
         ffi, lib = native()
         ctx = self._native_ctx()
         pol = self._kv_policy
-        if pol is not None and pol.sparse and not pol.observes:
-            stats = self.kv_stats()
-            n_layer = len(stats.layers)
-            return KVTelemetry(
-                layers=np.array([s.layer for s in stats.layers], dtype=np.int32), positions=np.zeros(0, dtype=np.int64),
-                entropy=np.zeros((n_layer, 0), dtype=np.float32), mass=np.zeros((n_layer, 0), dtype=np.float32),
-                mass_acc=np.zeros((n_layer, 0), dtype=np.float32), window=0, n_queries=0, n_obs=0, policy=pol.spec(),
-                kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
-                budgets=self.kv_memory().budgets if pol.retains else None,
-                retained=self.kv_retained() if pol.retains else None, sparse=self.kv_sparse())
+        sparse_only = pol is not None and pol.sparse and not pol.observes
         info = ffi.new("struct llama_kvp_obs_info *")
-        if lib.llama_kvp_obs_info(ctx, info) != 0:
+        if not sparse_only and lib.llama_kvp_obs_info(ctx, info) != 0:
             raise PolicyError(last_error())
+        stats = self.kv_stats()
+        common: Dict[str, Any] = dict(
+            layers=np.array([s.layer for s in stats.layers], dtype=np.int32),
+            policy=pol.spec() if pol is not None else "",
+            kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
+            budgets=self.kv_memory().budgets if pol is not None and pol.retains else None,
+            retained=self.kv_retained() if pol is not None and pol.retains else None,
+            sparse=self.kv_sparse() if pol is not None and pol.sparse else None,
+        )
+        if sparse_only:  # nothing observed
+            empty = np.zeros((len(stats.layers), 0), dtype=np.float32)
+            return KVTelemetry(positions=np.zeros(0, dtype=np.int64), entropy=empty, mass=empty, mass_acc=empty,
+                               window=0, n_queries=0, n_obs=0, **common)
         n_layer, n_head, n_cells = int(info.n_layer), int(info.n_head), int(info.n_cells)
 
         entropy = np.zeros((n_layer, n_head), dtype=np.float32)
@@ -265,10 +269,7 @@ class Llama(llama_cpp.Llama):
             cols = np.array([col[int(p)] for p in cell_pos[layer, cells]], dtype=np.int64)
             mass_pos_h[layer][:, cols] = mass_h[layer][:, cells]
             acc_pos[layer, cols] = mass_acc[layer, cells]
-        stats = self.kv_stats()
-        policy = self._kv_policy.spec() if self._kv_policy is not None else ""
         return KVTelemetry(
-            layers=np.array([s.layer for s in stats.layers], dtype=np.int32),
             positions=positions,
             entropy=entropy,
             mass=mass_pos_h.mean(axis=1),
@@ -277,9 +278,5 @@ class Llama(llama_cpp.Llama):
             n_queries=int(info.n_queries),
             n_obs=int(info.n_obs),
             mass_per_head=mass_pos_h if per_head else None,
-            policy=policy,
-            kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
-            budgets=self.kv_memory().budgets if self._kv_policy is not None and self._kv_policy.retains else None,
-            retained=self.kv_retained() if self._kv_policy is not None and self._kv_policy.retains else None,
-            sparse=self.kv_sparse() if self._kv_policy is not None and self._kv_policy.sparse else None,
+            **common,
         )

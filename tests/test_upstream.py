@@ -42,9 +42,14 @@ def sdist_tarball() -> Path:
 def upstream_tests(tmp_path_factory) -> Path:
     """The sdist's tests/ (and the vocab model they read) unpacked, patched, with our conftest beside them."""
     tgz = sdist_tarball()
+    if not tgz.is_file() and os.environ.get("LLAMA_CPP_SOURCE_DIR"):
+        # a build from a local llama.cpp tree downloads no sdist: fetch it as the build would, where a registry exists
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+                        f"llama-cpp-python=={VERSION}", "-d", str(tgz.parent)], capture_output=True)
+        if not tgz.is_file():
+            pytest.skip(f"built from LLAMA_CPP_SOURCE_DIR without a package registry: the llama-cpp-python {VERSION} "
+                        f"sdist (the upstream tests) is not in {tgz} and could not be downloaded")
     if not tgz.is_file():
-        if os.environ.get("LLAMA_CPP_SOURCE_DIR"):  # a build from a local llama.cpp tree downloads no sdist
-            pytest.skip(f"built from LLAMA_CPP_SOURCE_DIR: the llama-cpp-python {VERSION} sdist is not in {tgz}")
         pytest.fail(f"the llama-cpp-python {VERSION} sdist the build downloads is missing: {tgz}")
     root = tmp_path_factory.mktemp("upstream")
     vocab = f"{SDIST}/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf"

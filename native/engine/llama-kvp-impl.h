@@ -224,6 +224,11 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
 // sparse prefill state (stages/prefill-sparse.cpp)
 //
 
+// a no-alloc ggml context for n_tensors tensor headers, and a buffer for its tensors in the buffer type of KV layer
+// ikv's K cache (zeroed); both throw std::runtime_error naming `what` on failure (llama-kvp-observe.cpp)
+ggml_context *        llama_kvp_layer_ctx  (int32_t n_tensors, const char * what);
+ggml_backend_buffer_t llama_kvp_layer_alloc(llama_kvp_context * st, int32_t ikv, ggml_context * ctx, const char * what);
+
 // allocates the state and telemetry tensors of KV layer ikv for a context of n_ctx tokens
 void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
 

@@ -128,21 +128,34 @@ static std::runtime_error llama_kvp_fail(const std::string & msg) {
     return std::runtime_error("pykvcache: " + msg);
 }
 
-// (re)allocates the observation tensors of one layer for n_cells cells, in the buffer type of the layer's K cache
-static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_cells) {
-    auto & L = st->layers[ikv];
-    ggml_tensor * k = llama_kvp_kv_access::layer_k(*st->layer_kv(ikv), st->mem ? 0 : ikv);
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
-
+ggml_context * llama_kvp_layer_ctx(int32_t n_tensors, const char * what) {
     ggml_init_params params = {
-        /*.mem_size   =*/ size_t(4u*ggml_tensor_overhead()),
+        /*.mem_size   =*/ size_t(n_tensors*ggml_tensor_overhead()),
         /*.mem_buffer =*/ NULL,
         /*.no_alloc   =*/ true,
     };
     ggml_context * ctx = ggml_init(params);
     if (!ctx) {
-        throw llama_kvp_fail("failed to create a ggml context for the observation buffers");
+        throw llama_kvp_fail(std::string("failed to create a ggml context for the ") + what);
     }
+    return ctx;
+}
+
+ggml_backend_buffer_t llama_kvp_layer_alloc(llama_kvp_context * st, int32_t ikv, ggml_context * ctx, const char * what) {
+    ggml_tensor * k = llama_kvp_kv_access::layer_k(*st->layer_kv(ikv), st->mem ? 0 : ikv);
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+    if (!buf) {
+        throw llama_kvp_fail(std::string("failed to allocate the ") + what + " in " + ggml_backend_buft_name(buft));
+    }
+    ggml_backend_buffer_clear(buf, 0);
+    return buf;
+}
+
+// (re)allocates the observation tensors of one layer for n_cells cells, in the buffer type of the layer's K cache
+static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_cells) {
+    auto & L = st->layers[ikv];
+    ggml_context * ctx = llama_kvp_layer_ctx(4, "observation buffers");
     L.ctx.reset(ctx);
     L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, st->policy.window);
     L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->n_head);
@@ -153,12 +166,7 @@ static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_c
     ggml_format_name(L.mass_acc, "kvp_mass_acc-%d", L.il);
     ggml_format_name(L.entropy,  "kvp_entropy-%d",  L.il);
 
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
-    if (!buf) {
-        throw llama_kvp_fail(std::string("failed to allocate the observation buffer in ") + ggml_backend_buft_name(buft));
-    }
-    ggml_backend_buffer_clear(buf, 0);
-    L.buf.reset(buf);
+    L.buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "observation buffer"));
     L.n_cells  = n_cells;
     L.n_kv_obs = 0;
     L.cell_pos_obs.assign(n_cells, -2);

@@ -153,9 +153,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;
-    llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage
-    res.chunk      = 128;
-    res.guide      = 0;
+    llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage (same chunk, guide)
     return res;
 }
 

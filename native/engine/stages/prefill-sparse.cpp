@@ -33,7 +33,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <stdexcept>
 
 struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     llama_kvp_prefill_sparse() : llama_kvp_prefill_stage(LLAMA_KVP_PREFILL_SPARSE, LLAMA_KVP_SLOT_PREFILL, "sparse",
@@ -119,18 +118,7 @@ bool llama_kvp_policy_sparse(const llama_kvp_policy & p) {
 
 void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx) {
     auto & L = st->layers[ikv];
-    ggml_tensor * k = llama_kvp_kv_access::layer_k(*st->layer_kv(ikv), st->mem ? 0 : ikv);
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
-
-    ggml_init_params params = {
-        /*.mem_size   =*/ size_t(4u*ggml_tensor_overhead()),
-        /*.mem_buffer =*/ NULL,
-        /*.no_alloc   =*/ true,
-    };
-    ggml_context * ctx = ggml_init(params);
-    if (!ctx) {
-        throw std::runtime_error("pykvcache: failed to create a ggml context for the sparse prefill state");
-    }
+    ggml_context * ctx = llama_kvp_layer_ctx(4, "sparse prefill state");
     L.sp_ctx.reset(ctx);
     const int64_t n_seg = (n_ctx + st->policy.segment - 1)/st->policy.segment + 1;
     L.sp_state   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, 3);
@@ -142,12 +130,7 @@ void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx) 
     ggml_format_name(L.sp_entropy, "kvp_sp_entropy-%d", L.il);
     ggml_format_name(L.sp_count,   "kvp_sp_count-%d",   L.il);
 
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
-    if (!buf) {
-        throw std::runtime_error(std::string("pykvcache: failed to allocate the sparse prefill state in ") + ggml_backend_buft_name(buft));
-    }
-    ggml_backend_buffer_clear(buf, 0);
-    L.sp_buf.reset(buf);
+    L.sp_buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "sparse prefill state"));
     L.n_seg_max = (int32_t) n_seg;
 }
 
@@ -214,9 +197,8 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
     }
     if (seg_rows) {
         std::vector<int64_t> rows(n_seg);
-        const int64_t n_rows = seg_rows->ne[0] > 0 ? st->layers[0].n_seg_max : 1;
         for (int64_t s = 0; s < n_seg; ++s) {
-            rows[s] = std::min<int64_t>(std::max<llama_pos>(lo[s], 0)/seg, n_rows - 1);
+            rows[s] = std::min<int64_t>(std::max<llama_pos>(lo[s], 0)/seg, st->layers[0].n_seg_max - 1);
         }
         ggml_backend_tensor_set(seg_rows, rows.data(), 0, n_seg*sizeof(int64_t));
     }
