@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1]")
     e.add_argument("--kl-tokens", type=int, default=None, help="tokens of the KL text (prefix + streamed)")
     e.add_argument("--stream", type=int, default=None, help="tokens streamed and scored after the prefix")
+    e.add_argument("--prefill", default=None,
+                   help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
+                        "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192")
     e.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
     e.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default: 2)")
     e.add_argument("-o", "--output", default="kv_eval", help="output folder (default: kv_eval)")
@@ -218,7 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.kl_tokens = args.kl_tokens
     if args.stream is not None:
         cfg.stream = args.stream
-    cfg.threads, cfg.model_path = args.threads, args.model
+    cfg.threads, cfg.model_path, cfg.prefill = args.threads, args.model, args.prefill
     cfg.validate()
     results = evaluate(cfg, quiet=args.quiet)
     paths = write_outputs(results, Path(args.output))

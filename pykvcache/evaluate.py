@@ -15,6 +15,7 @@ import numpy as np
 
 from . import corpus
 from .llama import Llama
+from .policies import PolicyError, parse_policy
 
 POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
 CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hobart", "Windhoek", "Reykjavik")
@@ -39,6 +40,7 @@ class EvalConfig:
     threads: int = 2
     seed: int = 1234
     model_path: Optional[str] = None
+    prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
 
     @classmethod
     def quick(cls) -> "EvalConfig":
@@ -70,6 +72,15 @@ class EvalConfig:
             raise EvalError(f"needle lengths must be >= 128 tokens (got {self.needle_lengths})")
         if self.n_agree < 1 or self.threads < 1:
             raise EvalError("n_agree and threads must be >= 1")
+        if self.prefill is not None:
+            try:
+                pol = parse_policy(f"none+{self.prefill}")
+            except PolicyError as e:
+                raise EvalError(f"prefill '{self.prefill}': {e}") from None
+            stages = pol.describe()["stages"]
+            if "+" in self.prefill or stages["prefill"] is None or any(stages[k] for k in stages if k != "prefill"):
+                raise EvalError(f"prefill must be one prefill stage spec, e.g. 'sparse' or 'sparse:base=512' "
+                                f"(got '{self.prefill}')")
 
     @property
     def n_ctx(self) -> int:
@@ -77,13 +88,17 @@ class EvalConfig:
         return (n + 16 + 255) // 256 * 256
 
 
-def policy_spec(name: str, budget: int) -> Optional[str]:
-    """The spec of a policy at `budget` tokens per layer (None: the full cache)."""
+def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Optional[str]:
+    """The spec of a policy at `budget` tokens per layer, with an optional prefill stage (None: the full cache)."""
     if name == "full":
         return None
-    if name == "sink_recent":
-        return f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}"
-    return f"{name}:budget={budget}"
+    if name == "none":
+        spec = "none"
+    elif name == "sink_recent":
+        spec = f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}"
+    else:
+        spec = f"{name}:budget={budget}"
+    return f"{spec}+{prefill}" if prefill else spec
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -100,6 +115,8 @@ class Runner:
         kwargs: Dict[str, Any] = {}
         if cfg.model_path:
             kwargs["model_path"] = cfg.model_path
+        if cfg.prefill:
+            kwargs["flash_attn"] = True  # the reference runs the attention the prefill mode replaces
         self.llm = Llama(n_ctx=cfg.n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=cfg.threads,
                          n_threads_batch=cfg.threads, verbose=False, **kwargs)
         self.n_vocab = self.llm.n_vocab()
@@ -217,7 +234,7 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     cfg.validate()
     texts = corpus.essays()
     kl_text, hay_text = "\n\n".join(texts[:20]), "\n\n".join(texts[20:])
-    prog = Progress(1 + len(cfg.policies) * len(cfg.budgets), quiet)
+    prog = Progress(1 + (cfg.prefill is not None) + len(cfg.policies) * len(cfg.budgets), quiet)
 
     full = Runner(None, cfg)
     tokens = full.llm.tokenize(kl_text.encode())[: cfg.kl_tokens]
@@ -237,29 +254,37 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
             "bytes_trace": full_bytes}
     prog.step(f"full: self-KL {full_self['kl_mean']:.2g}, needles {sum(full_hits)}/{len(full_hits)}")
 
+    def run_policy(name: str, frac: Optional[float]) -> Dict[str, Any]:
+        row: Dict[str, Any] = {"policy": name, "budget_frac": frac}
+        r = Runner(policy_spec(name, int(round((frac or 1.0) * (cfg.kl_tokens - cfg.stream))), cfg.prefill), cfg)
+        row["spec"] = r.llm.kv_policy.spec()
+        row.update(compare_logprobs(ref_lp, stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)))
+        row["budgets"] = r.llm.kv_memory().budgets
+        trace: List[int] = []
+        row["agree"] = agreement(ref_greedy, r.greedy(cfg.n_agree, trace))
+        row["bytes_trace"] = trace
+        mem = r.llm.kv_memory()
+        row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
+        if cfg.prefill:
+            row["density"] = r.llm.kv_sparse().total_density if r.llm.kv_policy.sparse else None
+        r.close()
+        hits: List[bool] = []
+        for n in cfg.needle_lengths:
+            rn = Runner(policy_spec(name, int(round((frac or 1.0) * n)), cfg.prefill), cfg)
+            hits += needle_hits(rn, [c for c in cases if c["length"] == n])
+            rn.close()
+        row["needle_hits"], row["needle_acc"] = hits, float(np.mean(hits))
+        at = "" if frac is None else f" @ {frac:g}"
+        prog.step(f"{row['spec']}{at}: KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, "
+                  f"agree {row['agree']}/{cfg.n_agree}, needles {sum(hits)}/{len(hits)}")
+        return row
+
     runs = [base]
+    if cfg.prefill:
+        runs.append(run_policy("none", None))  # the full cache with the prefill mode alone
     for frac in cfg.budgets:
         for name in cfg.policies:
-            row: Dict[str, Any] = {"policy": name, "budget_frac": frac}
-            r = Runner(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))), cfg)
-            row["spec"] = r.llm.kv_policy.spec()
-            row.update(compare_logprobs(ref_lp, stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)))
-            row["budgets"] = r.llm.kv_memory().budgets
-            trace: List[int] = []
-            row["agree"] = agreement(ref_greedy, r.greedy(cfg.n_agree, trace))
-            row["bytes_trace"] = trace
-            mem = r.llm.kv_memory()
-            row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
-            r.close()
-            hits: List[bool] = []
-            for n in cfg.needle_lengths:
-                rn = Runner(policy_spec(name, int(round(frac * n))), cfg)
-                hits += needle_hits(rn, [c for c in cases if c["length"] == n])
-                rn.close()
-            row["needle_hits"], row["needle_acc"] = hits, float(np.mean(hits))
-            runs.append(row)
-            prog.step(f"{name} @ {frac:g}: KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, "
-                      f"agree {row['agree']}/{cfg.n_agree}, needles {sum(hits)}/{len(hits)}")
+            runs.append(run_policy(name, frac))
     cfg_d = asdict(cfg)
     return {"config": cfg_d, "n_ctx": cfg.n_ctx, "cases": [{k: c[k] for k in ("length", "depth", "answer")} for c in cases],
             "runs": runs}
@@ -269,7 +294,9 @@ def markdown(results: Dict[str, Any]) -> str:
     """The results as a markdown table (full cache first, its own needle accuracy beside each policy's)."""
     full = results["runs"][0]
     n_agree = results["config"]["n_agree"]
-    lines = ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
+    lines = [] if not results["config"].get("prefill") else \
+        [f"prefill mode of every row but full: {results['config']['prefill']}", ""]
+    lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
              " KV bytes (x full) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results["runs"]:
@@ -289,7 +316,7 @@ def plot(results: Dict[str, Any], out_dir: Path) -> List[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in results["runs"] if r["policy"] != "full"]
+    runs = [r for r in results["runs"] if r["budget_frac"] is not None]
     full = results["runs"][0]
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     paths = []

@@ -126,6 +126,20 @@ def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
     assert "| full | - | 0.0000 |" in markdown(res)
 
 
+def test_harness_with_a_prefill_mode(model_path):
+    # every policy but the full cache gets the sparse prefill stage, and the full cache with it alone is one more row
+    cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
+                     depths=[0.5], n_agree=8, threads=2, model_path=model_path,
+                     prefill="sparse:threshold=0,skip=0,segment=16,block=16,base=32")
+    res = evaluate(cfg, quiet=True)
+    full, none, sr = res["runs"]
+    assert full["policy"] == "full" and full["kl_mean"] == 0.0
+    assert none["policy"] == "none" and none["budget_frac"] is None and none["spec"].startswith("none+sparse:")
+    assert 0.0 < none["density"] < 1.0 and none["kl_mean"] > 0.0 and none["bytes"] == full["bytes"]
+    assert sr["spec"].startswith("sink_recent:") and "+sparse:" in sr["spec"] and 0.0 < sr["density"] <= 1.0
+    assert markdown(res).startswith("prefill mode of every row but full: sparse:")
+
+
 def test_harness_pieces():
     a = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], dtype=np.float32))
     b = np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.1, 0.4]], dtype=np.float32))
@@ -144,6 +158,9 @@ def test_harness_pieces():
     ({"depths": [2.0]}, "depths are in [0, 1]"),
     ({"stream": 4096}, "stream < kl_tokens"),
     ({"needle_lengths": [50]}, "needle lengths must be >= 128"),
+    ({"prefill": "sparse:foo=1"}, "unknown key 'foo' for stage 'sparse'"),
+    ({"prefill": "sparse+dense"}, "two stages for the prefill slot"),
+    ({"prefill": "window"}, "one prefill stage"),
 ])
 def test_harness_invalid_settings(kwargs, message):
     with pytest.raises(EvalError, match=message.replace("[", r"\[").replace("]", r"\]")):

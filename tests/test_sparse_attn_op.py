@@ -53,3 +53,20 @@ def test_sparse_attn_check_help_and_bad_arguments():
         assert flag in p.stdout
     p = sparse_attn_check("--cases", "zero")
     assert p.returncode == 2 and "--cases" in p.stderr
+
+
+def test_sparse_attn_perf_times_the_op_against_flash_attention():
+    # the benchmark binary beside it: one flash row and one sparse row per density, on every backend; listing fewer
+    # blocks lists a smaller share of the visible ones (no timing asserted: targets live in benchmarks)
+    exe = cli.kvbench_path().parent / ("sparse-attn-perf.exe" if sys.platform == "win32" else "sparse-attn-perf")
+    assert exe.is_file(), f"sparse-attn-perf is missing ({exe})"
+    p = subprocess.run([str(exe), "--n-kv", "1024", "--n-q", "128", "--density", "0.25,1", "-r", "1", "-t", "2"],
+                       capture_output=True, text=True, timeout=300, cwd="/")
+    assert p.returncode == 0, p.stderr
+    rows = [r.split("|")[1:-1] for r in p.stdout.splitlines() if r.startswith("| CPU")]
+    assert [r[1].strip() for r in rows] == ["flash_attn_ext", "sparse_attn_ext", "sparse_attn_ext"]
+    listed = [float(r[2]) for r in rows]
+    assert listed[0] == 1.0 and 0.2 <= listed[1] < 0.5 and listed[2] == 1.0
+    assert all(float(r[3]) > 0.0 for r in rows)
+    bad = subprocess.run([str(exe), "--density", "0"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert bad.returncode == 2 and "--density" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -99,6 +99,7 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     for (int64_t r = 0; r < QB; ++r) {
         if (r < rows) {
             memcpy(Qf + r*DK, (const char *) q->data + (q0 + r)*q->nb[1] + ih*q->nb[2], DK*sizeof(float));
+            ggml_vec_scale_f32((int) DK, Qf + r*DK, scale); // (Q*scale) K^T: the scale costs one pass over Q
         } else {
             memset(Qf + r*DK, 0, DK*sizeof(float));
         }
@@ -119,44 +120,69 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
         const int64_t c0 = ib*KB;
         const int64_t nc = std::min(KB, n_kv - c0);
 
-        // mask of the tile (-inf outside the block and for padding rows); skip a tile masked everywhere
-        bool any = mask == nullptr;
-        for (int64_t r = 0; r < QB; ++r) {
-            float * mr = M32 + r*KB;
-            if (r >= rows) {
-                for (int64_t c = 0; c < KB; ++c) { mr[c] = -INFINITY; }
+        // mask of the tile (-inf outside the block and for padding rows): none needed when every row is a full row
+        // of zeros (a block wholly in the past of the query block, the common case); skip a tile masked everywhere
+        bool flat = rows == QB && nc == KB;
+        if (mask && flat) {
+            for (int64_t r = 0; r < rows; ++r) {
+                const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (q0 + r)*mask->nb[1]) + c0;
+                uint16_t bits_or = 0;
+                for (int64_t c = 0; c < nc; ++c) {
+                    bits_or |= mp[c];
+                }
+                flat = flat && bits_or == 0; // +0.0 everywhere
+            }
+        }
+        if (!flat) {
+            bool any = mask == nullptr;
+            for (int64_t r = 0; r < QB; ++r) {
+                float * mr = M32 + r*KB;
+                if (r >= rows) {
+                    for (int64_t c = 0; c < KB; ++c) { mr[c] = -INFINITY; }
+                    continue;
+                }
+                if (mask) {
+                    const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (q0 + r)*mask->nb[1]) + c0;
+                    ggml_cpu_fp16_to_fp32(mp, mr, nc);
+                    if (slope != 1.0f) {
+                        ggml_vec_scale_f32((int) nc, mr, slope);
+                    }
+                    float mx = -INFINITY;
+                    ggml_vec_max_f32((int) nc, &mx, mr);
+                    any = any || mx != -INFINITY;
+                } else {
+                    for (int64_t c = 0; c < nc; ++c) { mr[c] = 0.0f; }
+                }
+                for (int64_t c = nc; c < KB; ++c) { mr[c] = -INFINITY; }
+            }
+            if (!any) {
                 continue;
             }
-            if (mask) {
-                const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (q0 + r)*mask->nb[1]) + c0;
-                for (int64_t c = 0; c < nc; ++c) {
-                    mr[c] = slope*GGML_CPU_FP16_TO_FP32(mp[c]);
-                    any = any || mr[c] != -INFINITY;
-                }
-            } else {
-                for (int64_t c = 0; c < nc; ++c) { mr[c] = 0.0f; }
-            }
-            for (int64_t c = nc; c < KB; ++c) { mr[c] = -INFINITY; }
-        }
-        if (!any) {
-            continue;
         }
 
         // K^T tile [DK][KB] (zero-padded columns), KQ = Q K^T
         ggml_sparse_attn_rows_f32(k, c0, nc, ik, Kr);
-        for (int64_t c = 0; c < KB; ++c) {
-            for (int64_t d = 0; d < DK; ++d) {
-                KT[d*KB + c] = c < nc ? Kr[c*DK + d] : 0.0f;
+        if (nc < KB) {
+            memset(Kr + nc*DK, 0, (KB - nc)*DK*sizeof(float));
+        }
+        for (int64_t d0 = 0; d0 < DK; d0 += 8) {       // 8x8 tiles: both sides stay in a few cache lines
+            for (int64_t c0t = 0; c0t < KB; c0t += 8) {
+                for (int64_t d = d0; d < std::min(d0 + 8, DK); ++d) {
+                    for (int64_t c = c0t; c < std::min(c0t + 8, KB); ++c) {
+                        KT[d*KB + c] = Kr[c*DK + d];
+                    }
+                }
             }
         }
         memset(KQ, 0, QB*KB*sizeof(float));
         simd_gemm(KQ, Qf, KT, (int) QB, (int) DK, (int) KB);
-        ggml_vec_scale_f32((int) (QB*KB), KQ, scale);
         if (logit_softcap != 0.0f) {
             ggml_vec_tanh_f32((int) (QB*KB), KQ, KQ);
             ggml_vec_scale_f32((int) (QB*KB), KQ, logit_softcap);
         }
-        ggml_vec_add_f32((int) (QB*KB), KQ, KQ, M32);
+        if (!flat) {
+            ggml_vec_add_f32((int) (QB*KB), KQ, KQ, M32);
+        }
 
         // online softmax per row
         for (int64_t r = 0; r < QB; ++r) {

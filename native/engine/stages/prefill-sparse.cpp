@@ -161,7 +161,53 @@ public:
         ggml_tensor * t;   // F32 [n_blk, n_seg] BIG for blocks every head computes, else 0
     };
     std::vector<forced_set> forced;
+
+    // block visibility of a token mask (the layers of a cache share one mask)
+    struct vis_set {
+        const ggml_tensor * mask;
+        int64_t       n_kv;
+        ggml_tensor * bmask; // F32 [n_blk, n_seg] 0 where some query of the segment sees some cell of the block, else -1e30
+        ggml_tensor * n_vis; // F32 [1, n_seg]     visible blocks
+        ggml_tensor * lognv; // F32 [1, n_seg]     log(max(2, visible blocks)), the entropy's normaliser
+    };
+    std::vector<vis_set> vis;
+
+    const vis_set & visibility_for(ggml_context * ctx0, ggml_tensor * kq_mask, int64_t n_kv, int64_t seg, int64_t blk, bool on_cpu);
 };
+
+const llama_kvp_sparse_input::vis_set & llama_kvp_sparse_input::visibility_for(
+        ggml_context * ctx0, ggml_tensor * kq_mask, int64_t n_kv, int64_t seg, int64_t blk, bool on_cpu) {
+    for (const auto & v : vis) {
+        if (v.mask == kq_mask && v.n_kv == n_kv) {
+            return v;
+        }
+    }
+    const int64_t n_seg = (n_tokens + seg - 1)/seg;
+    ggml_tensor * m = ggml_view_2d(ctx0, kq_mask, n_kv, n_tokens, kq_mask->nb[1], 0);
+    ggml_tensor * seen; // F32 [n_blk, n_seg] 1 where visible, else 0
+    if (n_seg*seg == n_tokens) {
+        // the max of a window is 0 (or an ALiBi bias) if a cell is visible, else -inf or -FLT_MAX
+        if (!on_cpu || m->type != GGML_TYPE_F16) {
+            m = ggml_cast(ctx0, m, GGML_TYPE_F32);
+        }
+        ggml_tensor * mx = ggml_pool_2d(ctx0, m, GGML_OP_POOL_MAX, (int) blk, (int) seg, (int) blk, (int) seg, 0, 0);
+        seen = ggml_step(ctx0, ggml_scale_bias(ctx0, mx, 1.0e-30f, 0.5f));
+    } else {
+        // a partial last segment: visible cells 1, masked -inf, padding rows 0
+        m = ggml_scale_bias(ctx0, ggml_cast(ctx0, m, GGML_TYPE_F32), 1.0e-30f, 1.0f);
+        m = ggml_pad(ctx0, m, 0, (int) (n_seg*seg - n_tokens), 0, 0);
+        ggml_tensor * mx = ggml_pool_2d(ctx0, m, GGML_OP_POOL_MAX, (int) blk, (int) seg, (int) blk, (int) seg, 0, 0);
+        seen = ggml_step(ctx0, ggml_scale_bias(ctx0, mx, 1.0f, -0.5f));
+    }
+    vis_set v;
+    v.mask  = kq_mask;
+    v.n_kv  = n_kv;
+    v.bmask = ggml_scale_bias(ctx0, seen, 1.0e30f, -1.0e30f);
+    v.n_vis = ggml_sum_rows(ctx0, seen);
+    v.lognv = ggml_log(ctx0, ggml_clamp(ctx0, v.n_vis, 2.0f, 1.0e9f));
+    vis.push_back(v);
+    return vis.back();
+}
 
 ggml_tensor * llama_kvp_sparse_input::forced_for(ggml_context * ctx0, int32_t ikv, int64_t n_blk, int64_t n_seg) {
     const llama_kv_cache * kv = st->layer_kv(ikv);
@@ -236,6 +282,12 @@ void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp) {
     g_sp_inp = nullptr;
 }
 
+// whether the layer's K lives in host memory (its pooling then runs on the CPU backend, which pools f16 as it is)
+static bool llama_kvp_sparse_on_cpu(const ggml_tensor * k) {
+    const ggml_tensor * t = k->view_src ? k->view_src : k;
+    return t->buffer && ggml_backend_buffer_is_host(t->buffer);
+}
+
 // why a layer cannot run sparse on this backend ("" if it can)
 static std::string llama_kvp_sparse_unsupported(ggml_tensor * node, ggml_tensor * k) {
     if (!k->buffer) {
@@ -270,8 +322,8 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
 
     const int64_t n_tokens = q->ne[2];
     const int64_t n_kv     = k->ne[2];
-    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !L.sp_state) {
-        return nullptr; // decode step, short context or an early layer: dense
+    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !L.sp_state || n_kv % p.block != 0) {
+        return nullptr; // decode step, short context, an early layer or cells not in whole blocks: dense
     }
     if (!gctx.cparams.flash_attn || v->nb[1] > v->nb[2] || k->ne[3] != 1 || kq_mask == nullptr) {
         if (!st->sparse_warned) {
@@ -327,45 +379,40 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     llama_kvp_sparse_input * inp = g_sp_inp;
     ggml_tensor * forced = inp->forced_for(ctx0, ikv, n_blk, n_seg);
 
-    // 1. pooled queries [2d, n_seg, n_head] and keys [2d, n_blk, n_hkv]
-    ggml_tensor * qt = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, ggml_cont(ctx0, q), d*n_head, n_tokens))); // [n_tokens, d*n_head]
-    if (n_seg*seg != n_tokens) {
-        qt = ggml_pad(ctx0, qt, (int) (n_seg*seg - n_tokens), 0, 0, 0);
-    }
-    ggml_tensor * kt = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, ggml_cast(ctx0, k, GGML_TYPE_F32), d*n_hkv, n_kv))); // [n_kv, d*n_hkv]
-
-    auto pool_pair = [&](ggml_tensor * x, int64_t width, int64_t n_out, int64_t n_h) {
-        ggml_tensor * mx = ggml_pool_2d(ctx0, x,               GGML_OP_POOL_MAX, (int) width, 1, (int) width, 1, 0, 0);
-        ggml_tensor * mn = ggml_neg(ctx0, ggml_pool_2d(ctx0, ggml_neg(ctx0, x), GGML_OP_POOL_MAX, (int) width, 1, (int) width, 1, 0, 0));
-        // [n_out, d*n_h] -> [d, n_out, n_h]
-        auto arrange = [&](ggml_tensor * t) {
-            t = ggml_cont(ctx0, ggml_transpose(ctx0, t));                 // [d*n_h, n_out]
-            t = ggml_reshape_3d(ctx0, t, d, n_h, n_out);
-            return ggml_cont(ctx0, ggml_permute(ctx0, t, 0, 2, 1, 3));   // [d, n_out, n_h]
+    // 1. pooled queries [2d, n_seg, n_head] and keys [2d, n_blk, n_hkv]: max and min over the rows of a segment or a
+    //    block, pooled along the token/cell dimension of the 2-D views (no transposes); F16 keys pool as they are on
+    //    the CPU, other types and other backends pool an f32 copy
+    auto pool_pair = [&](ggml_tensor * x2, int64_t width, int64_t n_h) { // x2 [d*n_h, rows] -> [2d, rows/width, n_h]
+        ggml_tensor * mx = ggml_pool_2d(ctx0, x2,               GGML_OP_POOL_MAX, 1, (int) width, 1, (int) width, 0, 0);
+        ggml_tensor * mn = ggml_neg(ctx0, ggml_pool_2d(ctx0, ggml_neg(ctx0, x2), GGML_OP_POOL_MAX, 1, (int) width, 1, (int) width, 0, 0));
+        auto arrange = [&](ggml_tensor * t) {                             // [d*n_h, n_out] -> [d, n_out, n_h]
+            t = ggml_reshape_3d(ctx0, t, d, n_h, t->ne[1]);
+            return ggml_cont(ctx0, ggml_permute(ctx0, t, 0, 2, 1, 3));
         };
-        return ggml_concat(ctx0, arrange(mx), arrange(mn), 0);            // [2d, n_out, n_h]
+        return ggml_concat(ctx0, arrange(mx), arrange(mn), 0);
     };
-    ggml_tensor * q_pool = pool_pair(qt, seg, n_seg, n_head);
-    ggml_tensor * k_pool = pool_pair(kt, blk, n_blk, n_hkv);
+    ggml_tensor * q2 = ggml_reshape_2d(ctx0, ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q), d*n_head, n_tokens);
+    if (n_seg*seg != n_tokens) {
+        q2 = ggml_pad(ctx0, q2, 0, (int) (n_seg*seg - n_tokens), 0, 0);
+    }
+    ggml_tensor * q_pool = pool_pair(q2, seg, n_head);
+    const bool on_cpu = llama_kvp_sparse_on_cpu(k);
+    ggml_tensor * k2 = (on_cpu && k->type == GGML_TYPE_F16) || k->type == GGML_TYPE_F32 ? k : ggml_cast(ctx0, k, GGML_TYPE_F32);
+    k2 = ggml_reshape_2d(ctx0, ggml_is_contiguous(k2) ? k2 : ggml_cont(ctx0, k2), d*n_hkv, n_kv);
+    ggml_tensor * k_pool = pool_pair(k2, blk, n_hkv);
 
     ggml_tensor * s = ggml_mul_mat(ctx0, k_pool, q_pool);                 // [n_blk, n_seg, n_head]
     ggml_prec_set_acc(s, GGML_PREC_F32);
 
-    // block visibility from the token mask: 1 if some query of the segment sees some cell of the block
-    ggml_tensor * m = ggml_view_2d(ctx0, kq_mask, n_kv, n_tokens, kq_mask->nb[1], 0);
-    m = ggml_scale_bias(ctx0, ggml_cast(ctx0, m, GGML_TYPE_F32), 1.0f, 1.0f);  // visible 1, masked -inf
-    if (n_seg*seg != n_tokens) {
-        m = ggml_pad(ctx0, m, 0, (int) (n_seg*seg - n_tokens), 0, 0);         // padding rows 0: not visible
-    }
-    ggml_tensor * vis = ggml_step(ctx0, ggml_scale_bias(ctx0,
-            ggml_pool_2d(ctx0, m, GGML_OP_POOL_MAX, (int) blk, (int) seg, (int) blk, (int) seg, 0, 0), 1.0f, -0.5f)); // [n_blk, n_seg]
-    ggml_tensor * bmask = ggml_scale_bias(ctx0, vis, 1.0e30f, -1.0e30f);   // 0 visible, -1e30 not
+    // block visibility from the token mask (the same for the layers that share it: once per graph)
+    const auto & vset  = inp->visibility_for(ctx0, kq_mask, n_kv, seg, blk, on_cpu);
+    ggml_tensor * bmask = vset.bmask;
+    ggml_tensor * n_vis = vset.n_vis;
+    ggml_tensor * lognv = vset.lognv;
 
     // 2. normalised block entropy per segment and head
     ggml_tensor * prob = ggml_soft_max_ext(ctx0, s, bmask, kq_scale, 0.0f);
     ggml_tensor * ent  = ggml_sum_rows(ctx0, ggml_mul(ctx0, prob, ggml_log(ctx0, ggml_scale_bias(ctx0, prob, 1.0f, 1e-30f)))); // [1, n_seg, n_head]
-    ggml_tensor * n_vis  = ggml_sum_rows(ctx0, vis);                                                         // [1, n_seg]
-    ggml_tensor * lognv  = ggml_log(ctx0, ggml_clamp(ctx0, n_vis, 2.0f, 1.0e9f));
     ent = ggml_reshape_2d(ctx0, ent, n_seg, n_head);
     ent = ggml_div(ctx0, ent, ggml_reshape_2d(ctx0, lognv, n_seg, 1));
     ent = ggml_scale(ctx0, ent, -1.0f);                                                              // [n_seg, n_head]
