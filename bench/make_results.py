@@ -103,12 +103,41 @@ def limits_line(bench: Dict[str, Any]) -> str:
         "; ".join(refs) if refs else "not measured") + "."
 
 
+def sparse_section(path: Path) -> str:
+    """The sparse prefill section from bench/sparse_prefill.py's JSON ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sparse_prefill import markdown as sparse_markdown
+
+    res = json.loads(path.read_text())
+    return f"""
+## Sparse prefill (prompt ubatches with block-sparse attention)
+
+```
+python bench/sparse_prefill.py {res.get('command', '')}
+```
+
+Measured on {res.get('date', '?')}, {res['cpu']}, {res['threads']} threads (raw: [results/{path.name}](results/{path.name})).
+One prefill of the essays' first N tokens through llama-cpp-python's eval, 512-token ubatches, dense flash
+attention first, in the same run; KL(dense ‖ sparse) and top-1 of the next token after the prompt and over the 32
+tokens that follow (teacher-forced, decoded dense); density = key blocks computed / blocks visible, over the
+ubatches that ran sparse; Dynamic heads = share of (layer, head) pairs Dynamic at the end. Needles: a number hidden
+at depths 0.1, 0.3, 0.5, 0.7, 0.9 of the haystack, greedy answer.
+
+{sparse_markdown(res)}
+"""
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short texts (minutes); writes into --out, not docs/")
     ap.add_argument("--out", default=None, help="output folder (default: docs/, or kv_results_quick with --quick)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
+    ap.add_argument("--sparse", action="store_true",
+                    help="rerun bench/sparse_prefill.py (sparse prefill vs dense at 4k and 8k, needles at 8k; ~30 min); "
+                         "without it the section shows results/sparse_prefill.json as it is")
     ap.add_argument("--reuse-eval", action="store_true",
                     help="keep the fidelity results already in the output folder (results/eval.json), rerun kvbench only")
     args = ap.parse_args(argv)
@@ -136,6 +165,11 @@ def main(argv: List[str] | None = None) -> int:
         eval_md = markdown(json.loads((res_dir / "eval.json").read_text()))
     else:
         eval_md = run(eval_cmd).strip()
+    sparse_json = res_dir / "sparse_prefill.json"
+    if args.sparse:
+        run([sys.executable, str(ROOT / "bench" / "sparse_prefill.py"), "--lengths", "4096,8192", "--policies",
+             "none+sparse", "--needle-lengths", "8192", "-t", str(args.threads), "-o", str(sparse_json)])
+    sparse_md = sparse_section(sparse_json)
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]
     minutes = (time.time() - t0) / 60
@@ -194,7 +228,7 @@ Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.js
 ![per-layer budgets](results/layer_budgets.png)
 
 ![KV bytes over a generation](results/kv_bytes_generation.png)
-"""
+{sparse_md}"""
     (out / "RESULTS.md").write_text(text)
     print(f"wrote {out / 'RESULTS.md'} ({minutes:.1f} min)", file=sys.stderr)
     return 0

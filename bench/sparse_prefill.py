@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -22,6 +23,17 @@ from pykvcache.corpus import essays
 from pykvcache.evaluate import compare_logprobs, log_softmax, needle_cases
 
 N_FOLLOW = 32  # tokens teacher-forced after the prompt (decoded dense: only the prefill differs)
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (else what platform knows)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def make(spec: Optional[str], n_ctx: int, threads: int) -> Llama:
@@ -63,6 +75,23 @@ def needles(spec: Optional[str], cases: List[Dict[str, Any]], threads: int) -> L
     return hits
 
 
+def markdown(results: Dict[str, Any]) -> str:
+    """The rows (prefill time, ratio, density, KL) as a markdown table, then the needle scores."""
+    lines = ["| policy | prompt | prefill s | x dense | density | Dynamic heads | KL after prompt | top-1 | KL next 32 |"
+             " top-1 next 32 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        if r["policy"] == "dense":
+            lines.append(f"| dense | {r['n_prompt']} | {r['seconds']:.1f} | 1.00 | 1.00 | - | - | - | - | - |")
+        else:
+            lines.append(f"| {r['policy']} | {r['n_prompt']} | {r['seconds']:.1f} | {r['x_dense']:.2f} | "
+                         f"{r['density']:.2f} | {r['dynamic_share']:.2f} | {r['kl_after_prompt']:.4f} | "
+                         f"{r['top1_after_prompt']:.0f} | {r['kl_follow']:.4f} | {r['top1_follow']:.2f} |")
+    if results["needles"]:
+        lines += ["", "| needles | prompt | hits |", "|---|---:|---:|"]
+        lines += [f"| {r['policy']} | {r['n_prompt']} | {r['hits']}/{r['of']} |" for r in results["needles"]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths (tokens)")
@@ -77,7 +106,8 @@ def main() -> None:
     text = " ".join(essays())
     tok = make(None, 256, args.threads)
     all_tokens = tok.tokenize(text.encode())
-    results: Dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "rows": [], "needles": []}
+    results: Dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "command": " ".join(sys.argv[1:]),
+                               "date": time.strftime("%Y-%m-%d"), "rows": [], "needles": []}
     for n in [int(x) for x in args.lengths.split(",") if x]:
         tokens, follow = all_tokens[:n], all_tokens[n:n + N_FOLLOW]
         print(f"sparse_prefill: {n} tokens, dense", flush=True)
@@ -102,17 +132,7 @@ def main() -> None:
             results["needles"].append({"policy": spec or "dense", "n_prompt": n, "hits": sum(hits), "of": len(hits)})
     tok.close()
 
-    print("| policy | prompt | prefill s | x dense | density | Dynamic heads | KL after prompt | top-1 | KL next 32 | top-1 next 32 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results["rows"]:
-        if r["policy"] == "dense":
-            print(f"| dense | {r['n_prompt']} | {r['seconds']:.1f} | 1.00 | 1.00 | - | - | - | - | - |")
-        else:
-            print(f"| {r['policy']} | {r['n_prompt']} | {r['seconds']:.1f} | {r['x_dense']:.2f} | {r['density']:.2f} | "
-                  f"{r['dynamic_share']:.2f} | {r['kl_after_prompt']:.4f} | {r['top1_after_prompt']:.0f} | "
-                  f"{r['kl_follow']:.4f} | {r['top1_follow']:.2f} |")
-    for r in results["needles"]:
-        print(f"needles {r['n_prompt']} tokens, {r['policy']}: {r['hits']}/{r['of']}")
+    print(markdown(results))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)

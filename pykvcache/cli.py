@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1]")
     e.add_argument("--kl-tokens", type=int, default=None, help="tokens of the KL text (prefix + streamed)")
     e.add_argument("--stream", type=int, default=None, help="tokens streamed and scored after the prefix")
+    e.add_argument("-f", "--file", default=None,
+                   help="your own text (UTF-8): its first --kl-tokens tokens are the KL text, the rest the needle "
+                        "haystack (default: the essay corpus)")
     e.add_argument("--prefill", default=None,
                    help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
                         "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192")
@@ -221,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.kl_tokens = args.kl_tokens
     if args.stream is not None:
         cfg.stream = args.stream
-    cfg.threads, cfg.model_path, cfg.prefill = args.threads, args.model, args.prefill
+    cfg.threads, cfg.model_path, cfg.prefill, cfg.text_file = args.threads, args.model, args.prefill, args.file
     cfg.validate()
     results = evaluate(cfg, quiet=args.quiet)
     paths = write_outputs(results, Path(args.output))

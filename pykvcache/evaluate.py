@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class EvalConfig:
     threads: int = 2
     seed: int = 1234
     model_path: Optional[str] = None
+    text_file: Optional[str] = None  # the user's text for the KL text and the haystacks (default: the essays)
     prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
 
     @classmethod
@@ -72,6 +73,8 @@ class EvalConfig:
             raise EvalError(f"needle lengths must be >= 128 tokens (got {self.needle_lengths})")
         if self.n_agree < 1 or self.threads < 1:
             raise EvalError("n_agree and threads must be >= 1")
+        if self.text_file is not None and not Path(self.text_file).is_file():
+            raise EvalError(f"text file not found: {self.text_file}")
         if self.prefill is not None:
             try:
                 pol = parse_policy(f"none+{self.prefill}")
@@ -99,6 +102,33 @@ def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Option
     else:
         spec = f"{name}:budget={budget}"
     return f"{spec}+{prefill}" if prefill else spec
+
+
+def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
+    """The KL text's tokens and the needle haystack: essays 0-19 and 20-, or the two parts of the user's file."""
+    if cfg.text_file is None:
+        texts = corpus.essays()
+        tokens = llm.tokenize("\n\n".join(texts[:20]).encode())[: cfg.kl_tokens]
+        hay = "\n\n".join(texts[20:])
+        what = "the KL text (essays 0-19)"
+    else:
+        text = Path(cfg.text_file).read_text(encoding="utf-8", errors="replace")
+        every = llm.tokenize(text.encode())
+        tokens = every[: cfg.kl_tokens]
+        hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")
+        what = f"{cfg.text_file}"
+        need = cfg.kl_tokens + max(cfg.needle_lengths, default=0)
+        if len(every) < need:
+            raise EvalError(f"{what} has {len(every)} tokens; the KL text and the needle haystack (kept apart) need "
+                            f"{need} (kl_tokens {cfg.kl_tokens} + the longest needle prompt): a longer text, or lower "
+                            f"--kl-tokens / --needle-lengths")
+    if len(tokens) < cfg.kl_tokens:
+        raise EvalError(f"{what} has only {len(tokens)} tokens (kl_tokens is {cfg.kl_tokens})")
+    n_hay = len(llm.tokenize(" ".join(hay.split()).encode(), add_bos=False))
+    if cfg.needle_lengths and n_hay < max(cfg.needle_lengths):
+        raise EvalError(f"the needle haystack has {n_hay} tokens, fewer than the longest needle prompt "
+                        f"({max(cfg.needle_lengths)})")
+    return tokens, hay
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -232,14 +262,14 @@ class Progress:
 def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     """Run every policy at every budget against the full cache; returns the results (JSON-ready)."""
     cfg.validate()
-    texts = corpus.essays()
-    kl_text, hay_text = "\n\n".join(texts[:20]), "\n\n".join(texts[20:])
     prog = Progress(1 + (cfg.prefill is not None) + len(cfg.policies) * len(cfg.budgets), quiet)
 
     full = Runner(None, cfg)
-    tokens = full.llm.tokenize(kl_text.encode())[: cfg.kl_tokens]
-    if len(tokens) < cfg.kl_tokens:
-        raise EvalError(f"the KL text has only {len(tokens)} tokens")
+    try:
+        tokens, hay_text = eval_texts(cfg, full.llm)
+    except EvalError:
+        full.close()
+        raise
     cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed)]
 
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
@@ -294,8 +324,10 @@ def markdown(results: Dict[str, Any]) -> str:
     """The results as a markdown table (full cache first, its own needle accuracy beside each policy's)."""
     full = results["runs"][0]
     n_agree = results["config"]["n_agree"]
-    lines = [] if not results["config"].get("prefill") else \
-        [f"prefill mode of every row but full: {results['config']['prefill']}", ""]
+    cfg = results["config"]
+    lines = [f"text: {cfg['text_file']}", ""] if cfg.get("text_file") else []
+    if cfg.get("prefill"):
+        lines += [f"prefill mode of every row but full: {cfg['prefill']}", ""]
     lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
              " KV bytes (x full) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -140,6 +140,38 @@ def test_harness_with_a_prefill_mode(model_path):
     assert markdown(res).startswith("prefill mode of every row but full: sparse:")
 
 
+def _stdlib_text(n_modules: int) -> str:
+    import argparse, collections, json, pathlib, subprocess as sp, textwrap, zipfile  # noqa: E401 - prose, not code
+    mods = [argparse, collections, json, pathlib, sp, textwrap, zipfile][:n_modules]
+    return "\n\n".join(m.__doc__ or "" for m in mods)
+
+
+def test_harness_on_the_users_text(model_path, tmp_path):
+    # -f FILE: the KL text is the file's first kl_tokens tokens and the haystack the rest, never overlapping
+    f = tmp_path / "docs.txt"
+    f.write_text(_stdlib_text(7), encoding="utf-8")
+    cfg = EvalConfig(policies=["snapkv"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
+                     depths=[0.5], n_agree=4, threads=2, model_path=model_path, text_file=str(f))
+    res = evaluate(cfg, quiet=True)
+    full, snap = res["runs"]
+    assert full["kl_mean"] == 0.0 and snap["kl_mean"] > 0.0 and len(snap["needle_hits"]) == 1
+    assert res["config"]["text_file"] == str(f) and markdown(res).startswith(f"text: {f}")
+    assert cli.main(["eval", "-f", str(f), "--policies", "snapkv", "--budgets", "0.5", "--kl-tokens", "192",
+                     "--stream", "32", "--needle-lengths", "4000", "--depths", "0.5", "-m", model_path,
+                     "-o", str(tmp_path / "out"), "-q"]) == 2  # too short for a 4000-token haystack: one clear line
+
+
+def test_harness_text_file_errors(model_path, tmp_path):
+    with pytest.raises(EvalError, match="text file not found"):
+        EvalConfig(text_file=str(tmp_path / "missing.txt")).validate()
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to measure anything.", encoding="utf-8")
+    cfg = EvalConfig(policies=["snapkv"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
+                     depths=[0.5], n_agree=4, threads=2, model_path=model_path, text_file=str(short))
+    with pytest.raises(EvalError, match=r"has \d+ tokens; the KL text and the needle haystack"):
+        evaluate(cfg, quiet=True)
+
+
 def test_harness_pieces():
     a = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], dtype=np.float32))
     b = np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.1, 0.4]], dtype=np.float32))
