@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -106,7 +107,7 @@ def main() -> None:
     text = " ".join(essays())
     tok = make(None, 256, args.threads)
     all_tokens = tok.tokenize(text.encode())
-    results: Dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "command": " ".join(sys.argv[1:]),
+    results: Dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "command": shlex.join(sys.argv[1:]),
                                "date": time.strftime("%Y-%m-%d"), "rows": [], "needles": []}
     for n in [int(x) for x in args.lengths.split(",") if x]:
         tokens, follow = all_tokens[:n], all_tokens[n:n + N_FOLLOW]

@@ -130,9 +130,26 @@ class Llama(llama_cpp.Llama):
             self.input_ids[self.n_tokens : self.n_tokens + k] = tokens[:k]
             self.n_tokens += k
             tokens = tokens[k:]
+        if pol is not None and pol.sparse and not self._logits_all and len(tokens) > self.n_batch:
+            # sparse prefill: only the prompt's last token asks for logits (llama_cpp asks for every chunk's last),
+            # since a segment holding a token whose logits are read attends to every block
+            tokens = self._eval_without_logits(tokens)
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
         super().eval(tokens)
+
+    def _eval_without_logits(self, tokens: Sequence[int]) -> Sequence[int]:
+        # every n_batch chunk but the last, with no output token; returns the last chunk
+        n_head = (len(tokens) - 1) // self.n_batch * self.n_batch
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for i in range(0, n_head, self.n_batch):
+            batch = list(tokens[i : i + self.n_batch])
+            self._batch.set_batch(batch=batch, n_past=self.n_tokens, logits_all=False)
+            self._batch.batch.logits[len(batch) - 1] = False
+            self._ctx.decode(self._batch)
+            self.input_ids[self.n_tokens : self.n_tokens + len(batch)] = batch
+            self.n_tokens += len(batch)
+        return tokens[n_head:]
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
         """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact."""

@@ -69,6 +69,21 @@ def test_sparse_prefill_is_close_to_dense_and_computes_fewer_blocks(model_path, 
     llm.close()
 
 
+def test_the_segment_whose_logits_are_read_attends_to_every_block(model_path, prompt):
+    # pykvcache's eval asks for the prompt's last logits only; llama_cpp's asks for every chunk's last token, and
+    # each segment holding such a token computes all its visible blocks: more blocks
+    import llama_cpp
+
+    llm, _ = last_logits(model_path, prompt, SPARSE)
+    d_last = llm.kv_sparse().total_density
+    llm.close()
+    llm = Llama(model_path, n_ctx=2048, n_batch=512, n_ubatch=512, kv_policy=SPARSE, verbose=False)
+    llama_cpp.Llama.eval(llm, prompt)
+    d_every = llm.kv_sparse().total_density
+    llm.close()
+    assert 0.0 < d_last < d_every < 1.0
+
+
 def test_larger_budgets_compute_more_and_stay_closer(model_path, prompt, dense):
     small, l_small = last_logits(model_path, prompt, "none+sparse:threshold=256,base=64")
     large, l_large = last_logits(model_path, prompt, "none+sparse:threshold=256,base=512")

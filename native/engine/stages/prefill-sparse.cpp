@@ -42,7 +42,7 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     void defaults(llama_kvp_policy & p) const override {
         p.segment   = 64;
         p.block     = 64;
-        p.base      = 1024;
+        p.base      = 512;  // 2.0x dense at 8k on 2 cores with KL 0.006 (docs/NOTES.md); 1024: 1.9x, KL 0.002
         p.e_t       = 0.5f;
         p.alpha     = 1.0f;
         p.delta_t   = 0.1f;
@@ -154,6 +154,7 @@ public:
 
     ggml_tensor * keep     = nullptr; // F32 [1]      0 when the ubatch starts the sequence (state reset), else 1
     ggml_tensor * seg_rows = nullptr; // I64 [n_seg]  segment index of each segment in the sequence (telemetry rows)
+    ggml_tensor * out_seg  = nullptr; // F32 [1, n_seg] 1 for a segment holding a token whose logits are read, else 0
 
     struct forced_set {
         const llama_kv_cache * kv;
@@ -240,6 +241,15 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
     if (keep) {
         const float v = ubatch->pos[0] > 0 ? 1.0f : 0.0f;
         ggml_backend_tensor_set(keep, &v, 0, sizeof(v));
+    }
+    if (out_seg) {
+        std::vector<float> o(n_seg, 0.0f);
+        for (int64_t i = 0; i < n_tokens; ++i) {
+            if (ubatch->output && ubatch->output[i]) {
+                o[i/seg] = 1.0f;
+            }
+        }
+        ggml_backend_tensor_set(out_seg, o.data(), 0, n_seg*sizeof(float));
     }
     if (seg_rows) {
         std::vector<int64_t> rows(n_seg);
@@ -344,7 +354,7 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     const int64_t blk    = p.block;
     const int64_t n_seg  = (n_tokens + seg - 1)/seg;
     const int64_t n_blk  = (n_kv + blk - 1)/blk;
-    const int64_t n_list = std::min<int64_t>(n_blk, (3*(int64_t) p.base + blk - 1)/blk + 4);
+    const int64_t n_list = n_blk; // a segment holding an output token lists every block
     const float   base   = (float) p.base;
 
     // the op itself first: if the backend of this layer cannot run it, nothing else is added
@@ -374,6 +384,8 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
         ggml_set_input(inp->keep);
         inp->seg_rows = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_seg);
         ggml_set_input(inp->seg_rows);
+        inp->out_seg = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_seg);
+        ggml_set_input(inp->out_seg);
         g_sp_inp = (llama_kvp_sparse_input *) gctx.res->add_input(std::move(inp));
     }
     llama_kvp_sparse_input * inp = g_sp_inp;
@@ -452,7 +464,10 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
             ggml_reshape_2d(ctx0, dyn, n_head, 1), 1), L.sp_state));
 
     // 4. blocks per head and segment: sink and local blocks first, then by pooled score
+    // a segment holding a token whose logits are read (the prompt's last) computes every visible block: what the
+    // model predicts from the prompt sees all of it, in every layer
     ggml_tensor * n_blocks = ggml_ceil(ctx0, ggml_scale(ctx0, budgets, 1.0f/(float) blk));        // [n_head, n_seg]
+    n_blocks = ggml_add(ctx0, n_blocks, ggml_scale(ctx0, inp->out_seg, (float) n_blk));
     ggml_tensor * counts   = ggml_cast(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, n_blocks)), GGML_TYPE_I32); // [n_seg, n_head]
     ggml_tensor * rank     = ggml_add(ctx0, ggml_add(ctx0, s, bmask), forced);
     ggml_tensor * blocks   = ggml_cont(ctx0, ggml_argsort_top_k(ctx0, rank, (int) n_list));        // [n_list, n_seg, n_head]
