@@ -124,10 +124,6 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
                             f"--kl-tokens / --needle-lengths")
     if len(tokens) < cfg.kl_tokens:
         raise EvalError(f"{what} has only {len(tokens)} tokens (kl_tokens is {cfg.kl_tokens})")
-    n_hay = len(llm.tokenize(" ".join(hay.split()).encode(), add_bos=False))
-    if cfg.needle_lengths and n_hay < max(cfg.needle_lengths):
-        raise EvalError(f"the needle haystack has {n_hay} tokens, fewer than the longest needle prompt "
-                        f"({max(cfg.needle_lengths)})")
     return tokens, hay
 
 
@@ -217,7 +213,10 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
         question = llm.tokenize(
             f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is".encode(),
             add_bos=False)
-        body = hay[: n_tokens - 1 - len(needle) - len(question)]
+        n_body = n_tokens - 1 - len(needle) - len(question)
+        if len(hay) < n_body:
+            raise EvalError(f"the needle haystack has {len(hay)} tokens, too few for a {n_tokens}-token needle prompt")
+        body = hay[:n_body]
         k = int(depth * len(body))
         while 0 < k < len(body) and not llm.detokenize([body[k - 1]]).endswith(b"."):
             k += 1
@@ -267,10 +266,10 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     full = Runner(None, cfg)
     try:
         tokens, hay_text = eval_texts(cfg, full.llm)
+        cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed)]
     except EvalError:
         full.close()
         raise
-    cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed)]
 
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))

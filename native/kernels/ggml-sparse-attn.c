@@ -74,6 +74,13 @@ void ggml_sparse_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor *
     a->src[6] = sinks;
 }
 
+void ggml_sparse_attn_ext_get_params(const struct ggml_tensor * a, float * scale, float * max_bias, float * logit_softcap) {
+    GGML_ASSERT(a->op == GGML_OP_SPARSE_ATTN_EXT);
+    *scale         = ggml_get_op_params_f32(a, 0);
+    *max_bias      = ggml_get_op_params_f32(a, 1);
+    *logit_softcap = ggml_get_op_params_f32(a, 2);
+}
+
 int32_t ggml_sparse_attn_ext_q_block(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_SPARSE_ATTN_EXT);
     return ggml_get_op_params_i32(a, 3);

@@ -41,6 +41,9 @@ GGML_API struct ggml_tensor * ggml_sparse_attn_ext(
 // attention sinks per head (F32 [n_head]), as ggml_flash_attn_ext_add_sinks
 GGML_API void ggml_sparse_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 
+// the scale, ALiBi max bias and logit softcap of a GGML_OP_SPARSE_ATTN_EXT node (its first three op params)
+GGML_API void ggml_sparse_attn_ext_get_params(const struct ggml_tensor * a, float * scale, float * max_bias, float * logit_softcap);
+
 // the query and key block sizes of a GGML_OP_SPARSE_ATTN_EXT node
 GGML_API int32_t ggml_sparse_attn_ext_q_block(const struct ggml_tensor * a);
 GGML_API int32_t ggml_sparse_attn_ext_k_block(const struct ggml_tensor * a);

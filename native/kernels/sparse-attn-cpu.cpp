@@ -68,9 +68,7 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     float scale         = 1.0f;
     float max_bias      = 0.0f;
     float logit_softcap = 0.0f;
-    memcpy(&scale,         (const float *) dst->op_params + 0, sizeof(float));
-    memcpy(&max_bias,      (const float *) dst->op_params + 1, sizeof(float));
-    memcpy(&logit_softcap, (const float *) dst->op_params + 2, sizeof(float));
+    ggml_sparse_attn_ext_get_params(dst, &scale, &max_bias, &logit_softcap);
     if (logit_softcap != 0.0f) {
         scale /= logit_softcap;
     }

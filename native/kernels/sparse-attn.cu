@@ -11,6 +11,7 @@
 // Shared memory: (rows_pass*DK + 32*D)*4 bytes, at most 48 KB, so no opt-in is needed.
 
 #include "sparse-attn.cuh"
+#include "ggml-sparse-attn.h"
 
 #include <cstdint>
 
@@ -397,14 +398,12 @@ void ggml_cuda_sparse_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     float scale         = 1.0f;
     float max_bias      = 0.0f;
     float logit_softcap = 0.0f;
-    memcpy(&scale,         (const float *) dst->op_params + 0, sizeof(float));
-    memcpy(&max_bias,      (const float *) dst->op_params + 1, sizeof(float));
-    memcpy(&logit_softcap, (const float *) dst->op_params + 2, sizeof(float));
+    ggml_sparse_attn_ext_get_params(dst, &scale, &max_bias, &logit_softcap);
     if (logit_softcap != 0.0f) {
         scale /= logit_softcap;
     }
-    const int32_t q_block = ggml_get_op_params_i32(dst, 3);
-    const int32_t k_block = ggml_get_op_params_i32(dst, 4);
+    const int32_t q_block = ggml_sparse_attn_ext_q_block(dst);
+    const int32_t k_block = ggml_sparse_attn_ext_k_block(dst);
 
     const int64_t n_q  = q->ne[1];
     const int64_t n_qb = (n_q + q_block - 1)/q_block;
@@ -502,8 +501,8 @@ bool ggml_cuda_sparse_attn_ext_supported(int device, const ggml_tensor * op) {
         return false;
     }
 
-    const int32_t q_block = ggml_get_op_params_i32(op, 3);
-    const int32_t k_block = ggml_get_op_params_i32(op, 4);
+    const int32_t q_block = ggml_sparse_attn_ext_q_block(op);
+    const int32_t k_block = ggml_sparse_attn_ext_k_block(op);
     if (q_block < 1 || q_block > SPARSE_ATTN_B_MAX || k_block < 1 || k_block > SPARSE_ATTN_B_MAX) {
         return false;
     }

@@ -292,18 +292,24 @@ void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp) {
     g_sp_inp = nullptr;
 }
 
+// the buffer holding the layer's K (a view of the cache has none of its own while the graph is built)
+static ggml_backend_buffer_t llama_kvp_sparse_k_buffer(const ggml_tensor * k) {
+    return k->view_src ? k->view_src->buffer : k->buffer;
+}
+
 // whether the layer's K lives in host memory (its pooling then runs on the CPU backend, which pools f16 as it is)
 static bool llama_kvp_sparse_on_cpu(const ggml_tensor * k) {
-    const ggml_tensor * t = k->view_src ? k->view_src : k;
-    return t->buffer && ggml_backend_buffer_is_host(t->buffer);
+    ggml_backend_buffer_t buf = llama_kvp_sparse_k_buffer(k);
+    return buf && ggml_backend_buffer_is_host(buf);
 }
 
 // why a layer cannot run sparse on this backend ("" if it can)
 static std::string llama_kvp_sparse_unsupported(ggml_tensor * node, ggml_tensor * k) {
-    if (!k->buffer) {
+    ggml_backend_buffer_t buf = llama_kvp_sparse_k_buffer(k);
+    if (!buf) {
         return "";
     }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(k->buffer));
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
     if (dev && !ggml_backend_dev_supports_op(dev, node)) {
         return std::string("the ") + ggml_backend_dev_name(dev) + " backend cannot run it for K type " + ggml_type_name(k->type);
     }
