@@ -11,7 +11,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .policies import Policy, PolicyError, as_policy, from_native
-from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
+from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry, SummaryTelemetry
 
 llama_cpp = import_llama_cpp()
 
@@ -240,6 +240,35 @@ class Llama(llama_cpp.Llama):
             n_ubatch=counts[:, 2].astype(np.int64), n_computed=computed, n_visible=visible,
             dynamic=dynamic > 0.5, budgets=budgets, entropy=entropy, segment=int(info.segment), block=int(info.block))
 
+    def kv_summary(self) -> SummaryTelemetry:
+        """Summarise fate telemetry: bins, centroids, fit errors, and per layer x position kept/summarised/dropped."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        out = ffi.new("struct llama_kvp_summary_stats *")
+        if lib.llama_kvp_summary(ctx, out) != 0:
+            raise PolicyError(last_error())
+        layers = self.kv_stats().layers
+        n_pos = max(int(self.n_tokens), 1)
+        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+        for s, layer in enumerate(layers):
+            n = lib.llama_kvp_layer_summarised(ctx, s, ffi.NULL, 0)
+            done = np.zeros(max(n, 1), dtype=np.int32)
+            pos = np.zeros(layer.n_cells, dtype=np.int32)
+            bias = np.zeros(layer.n_cells, dtype=np.float32)
+            if (n < 0 or lib.llama_kvp_layer_summarised(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(done)), n) < 0
+                    or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0
+                    or lib.llama_kvp_layer_cell_bias(ctx, s, ffi.cast("float *", ffi.from_buffer(bias)), bias.size) < 0):
+                raise RuntimeError(last_error())
+            done = done[:n]
+            state[s, done[(done >= 0) & (done < n_pos)]] = SummaryTelemetry.SUMMARISED
+            held = (pos >= 0) & (pos < n_pos)
+            state[s, pos[held & (bias == 0)]] = SummaryTelemetry.KEPT
+            state[s, pos[held & (bias != 0)]] = SummaryTelemetry.CENTROID
+        return SummaryTelemetry(
+            state=state, n_bins=int(out.n_bins), n_fallback=int(out.n_fallback), n_tokens=int(out.n_tokens),
+            n_pending=int(out.n_pending), n_centroids=int(out.n_centroids), pending_bytes=int(out.pending_bytes),
+            fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms))
+
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
         of the sparse prefill (Rigid/Dynamic heads, budgets, density)."""
@@ -258,6 +287,7 @@ class Llama(llama_cpp.Llama):
             budgets=self.kv_memory().budgets if pol is not None and pol.retains else None,
             retained=self.kv_retained() if pol is not None and pol.retains else None,
             sparse=self.kv_sparse() if pol is not None and pol.sparse else None,
+            summary=self.kv_summary() if pol is not None and pol.describe()["stages"]["fate"] == "summarise" else None,
         )
         if sparse_only:  # nothing observed
             empty = np.zeros((len(stats.layers), 0), dtype=np.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 import numpy as np
 
@@ -178,6 +178,37 @@ class SparseTelemetry:
         ax_density.set_ylabel("layer")
 
 
+@dataclass(frozen=True)
+class SummaryTelemetry:
+    """The summarise fate (fate stage `summarise`): bins of leaving tokens replaced by fitted centroid cells.
+
+    state[n_layer, n_pos]  per layer and position: 0 dropped, 1 kept, 2 summarised (its bin became centroids),
+                           3 a centroid cell sits there (at the last position of the run it stands for)
+    """
+
+    state: np.ndarray
+    n_bins: int
+    n_fallback: int
+    n_tokens: int
+    n_pending: int
+    n_centroids: int
+    pending_bytes: int
+    fit_err: float
+    fit_lse_err: float
+    t_ms: float
+
+    DROPPED: ClassVar[int] = 0
+    KEPT: ClassVar[int] = 1
+    SUMMARISED: ClassVar[int] = 2
+    CENTROID: ClassVar[int] = 3
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "state"}
+        d["state"] = self.state.astype(int).tolist()
+        return d
+
+
 @dataclass
 class KVTelemetry:
     """Attention observation of the last `window` queries, with positions in ascending order.
@@ -202,6 +233,7 @@ class KVTelemetry:
     budgets: Optional[List[int]] = None
     retained: Optional[np.ndarray] = None
     sparse: Optional[SparseTelemetry] = None
+    summary: Optional[SummaryTelemetry] = None
 
     def __post_init__(self) -> None:
         """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
@@ -238,6 +270,8 @@ class KVTelemetry:
             d["retained"] = self.retained.astype(int).tolist()
         if self.sparse is not None:
             d["sparse"] = self.sparse.to_dict()
+        if self.summary is not None:
+            d["summary"] = self.summary.to_dict()
         return d
 
     def to_json(self, path: "str | Path | None" = None) -> str:

@@ -16,8 +16,12 @@ public:
         llm_graph_input_attn_kv(hparams, cparams, mctx0) {}
 
     void set_input(const llama_ubatch * ubatch) override {
-        for (auto & inp : per_layer) {
+        for (size_t ikv = 0; ikv < per_layer.size(); ++ikv) {
+            auto & inp = per_layer[ikv];
             inp->set_input(ubatch);
+            // cells that stand for several tokens (a fate stage's) weigh as many in the softmax
+            ggml_tensor * m = inp->self_kq_mask;
+            mem->mask_add_bias((int32_t) ikv, m->data, m->type == GGML_TYPE_F16, m->ne[0], ggml_nrows(m));
         }
     }
 

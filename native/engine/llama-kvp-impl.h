@@ -89,7 +89,8 @@ struct llama_kvp_obs_layer {
     ggml_tensor * sp_count   = nullptr; // F32 [3]                 blocks computed, blocks visible, sparse ubatches
     int32_t n_seg_max = 0;
 
-    bool seen = false;                // the graph hook ran for this layer (checked after the reserve)
+    bool  seen     = false;           // the graph hook ran for this layer (checked after the reserve)
+    float kq_scale = 0.0f;            // the attention's scale of the queries' dot products (set by the graph hook)
 };
 
 class llama_kvp_memory;
@@ -156,6 +157,7 @@ struct llama_kvp_kv_access {
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
+    static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos); // an empty cell now holds pos of sequence 0
 
     // ubatches of the decode call a memory context belongs to
     static size_t n_ubatches(const llama_memory_context_i * mctx);
@@ -237,6 +239,22 @@ void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
 int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg);
 
 //
+// summarise fate telemetry (stages/fate-summarise.cpp)
+//
+
+// sums of the fit errors over the (bin, KV head) fits
+struct llama_kvp_summarise_sums {
+    double  err   = 0.0;
+    double  lse   = 0.0;
+    int64_t n_fit = 0;
+};
+
+// adds the summarise counters of KV layer ikv to out and sums (false if the layer has no summarise state); appends
+// the positions it summarised to `summarised` when not null
+bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struct llama_kvp_summary_stats & out,
+                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised);
+
+//
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)
 //
 
@@ -254,6 +272,13 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
 
 // forget scores and prompt entropies and restart the decode schedule (the cache was cleared or a prompt restarts)
 void llama_kvp_obs_reset(llama_kvp_context * st);
+
+// the valid post-RoPE queries of the observation window of KV layer ikv (synchronizes): q [n][n_head*n_embd_head],
+// head-major within a row; returns n (0 without an observation ring)
+int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q);
+
+// cell idx of KV layer ikv now holds pos with this accumulated score (a cell filled by a fate stage)
+void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
 
 // forget the window queries in the ring (a loaded state does not hold them)
 void llama_kvp_obs_forget_queries(llama_kvp_context * st);

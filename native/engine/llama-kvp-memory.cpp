@@ -19,7 +19,7 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 3; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 4; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -253,6 +253,20 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     uint32_t n_sink   = 0;
     uint32_t n_recent = 0;
     stage_score->protect(policy, L.budget, n_sink, n_recent);
+
+    // room for the cells the fate stage adds back (they count against the budget): the smallest n_keep whose
+    // leavers' additions fit, never below the protected tokens
+    const uint32_t n_keep0    = n_keep;
+    const uint32_t n_keep_min = std::min(n_keep, std::max<uint32_t>(1, n_sink + n_recent));
+    for (int iter = 0; iter < 8; ++iter) {
+        const uint32_t add = stage_fate->n_added(*this, ikv, n - n_keep);
+        const uint32_t k   = std::max(n_keep_min, n_keep0 > add ? n_keep0 - add : 0);
+        if (k >= n_keep) {
+            break;
+        }
+        n_keep = k;
+    }
+
     n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
     n_sink   = std::min(n_sink, n_keep - n_recent);
 
@@ -282,16 +296,70 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
         std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
             return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
         });
-        std::vector<uint32_t> leaving;
-        llama_pos p_min = LLAMA_KVP_POS_ALL; // the exact prefix ends at the first position that leaves
+        std::sort(mid.begin() + n_topk, mid.end());
+        std::vector<llama_kvp_cell> leaving;
         for (size_t j = n_topk; j < mid.size(); ++j) {
-            leaving.push_back(cells[mid[j]].idx);
-            p_min = std::min(p_min, cells[mid[j]].pos);
+            leaving.push_back(cells[mid[j]]);
         }
-        pos_exact = std::min({ pos_exact, pos_end, p_min });
-        stage_fate->leave(kv, leaving);
+        // the exact prefix ends at the first position that leaves
+        pos_exact = std::min({ pos_exact, pos_end, leaving[0].pos });
+        stage_fate->leave(*this, ikv, leaving);
         L.n_evicted += (int64_t) leaving.size();
         n_evicted   += (int64_t) leaving.size();
+    }
+}
+
+void llama_kvp_memory::cell_free(int32_t ikv, uint32_t idx) {
+    auto & L = layers[ikv];
+    const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, idx);
+    if (p < 0) {
+        return;
+    }
+    L.bias.erase(p);
+    llama_kvp_kv_access::cell_rm(*L.kv, idx);
+}
+
+int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
+    auto & L = layers[ikv];
+    const uint32_t size = L.kv->get_size();
+    for (uint32_t i = 0; i < size; ++i) {
+        if (llama_kvp_kv_access::cell_pos(*L.kv, i) < 0) {
+            llama_kvp_kv_access::cell_set(*L.kv, i, pos);
+            L.bias[pos] = bias;
+            if (st) {
+                llama_kvp_obs_layer_forget(st, ikv, pos, pos + 1); // a new token in this cell: not observed yet
+            }
+            return (int32_t) i;
+        }
+    }
+    return -1;
+}
+
+void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const {
+    const auto & L = layers[ikv];
+    if (L.bias.empty()) {
+        return;
+    }
+    for (int64_t j = 0; j < n_kv; ++j) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, (uint32_t) j);
+        const auto it = p >= 0 ? L.bias.find(p) : L.bias.end();
+        if (it == L.bias.end()) {
+            continue;
+        }
+        for (int64_t r = 0; r < n_rows; ++r) {
+            if (f16) {
+                ggml_fp16_t * m = (ggml_fp16_t *) data + r*n_kv + j;
+                const float x = ggml_fp16_to_fp32(*m);
+                if (std::isfinite(x)) {
+                    *m = ggml_fp32_to_fp16(x + it->second);
+                }
+            } else {
+                float * m = (float *) data + r*n_kv + j;
+                if (std::isfinite(*m)) {
+                    *m += it->second;
+                }
+            }
+        }
     }
 }
 
@@ -380,7 +448,9 @@ bool llama_kvp_memory::get_can_shift() const {
 void llama_kvp_memory::clear(bool data) {
     for (auto & L : layers) {
         L.kv->clear(data);
+        L.bias.clear();
     }
+    stage_fate->forget(*this, 0, -1);
     pos_end   = 0;
     pos_exact = LLAMA_KVP_POS_ALL;
     budgets_set = false;
@@ -396,7 +466,12 @@ bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
             llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
         }
         res = layers[i].kv->seq_rm(seq_id, p0, p1) && res;
+        auto & bias = layers[i].bias;
+        for (auto it = bias.lower_bound(std::max<llama_pos>(p0, 0)); it != bias.end() && (p1 < 0 || it->first < p1); ) {
+            it = bias.erase(it);
+        }
     }
+    stage_fate->forget(*this, p0, p1);
     // a truncation moves the logical end back; removing a middle range leaves a hole in the exact prefix
     const llama_pos a = std::max<llama_pos>(p0, 0);
     if (p1 < 0 || p1 >= pos_end) {
@@ -509,6 +584,14 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
             io.write(&p, sizeof(p));
             io.write(&x, sizeof(x));
         }
+
+        // the mask biases of the fate stage's cells, by position
+        const uint32_t nb = (uint32_t) layers[i].bias.size();
+        io.write(&nb, sizeof(nb));
+        for (const auto & [p, b] : layers[i].bias) {
+            io.write(&p, sizeof(p));
+            io.write(&b, sizeof(b));
+        }
     }
 }
 
@@ -582,7 +665,25 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
         if (st) {
             llama_kvp_obs_layer_set_scores(st, (int32_t) i, scores);
         }
+
+        uint32_t nb = 0;
+        io.read(&nb, sizeof(nb));
+        if (nb > L.capacity) {
+            throw std::runtime_error("pykvcache: corrupt mask biases in the state");
+        }
+        L.bias.clear();
+        for (uint32_t j = 0; j < nb; ++j) {
+            llama_pos p = 0;
+            float     b = 0.0f;
+            io.read(&p, sizeof(p));
+            io.read(&b, sizeof(b));
+            if (!std::isfinite(b)) {
+                throw std::runtime_error("pykvcache: corrupt mask biases in the state");
+            }
+            L.bias[p] = b;
+        }
     }
+    stage_fate->forget(*this, 0, -1); // the fate stage's pending work is not in the state
     budgets_set = stage_budget->uses_entropy();
 }
 

@@ -13,6 +13,7 @@
 #include "llama-memory.h"
 
 #include <limits>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -27,6 +28,12 @@ struct llama_kvp_mem_layer {
     int64_t  n_evicted = 0;
 
     std::unique_ptr<llama_kv_cache> kv;
+
+    // cells the fate stage added (e.g. summarise's centroids), by position: the bias their column of the attention
+    // mask gets (log of the tokens a cell stands for)
+    std::map<llama_pos, float> bias;
+
+    std::unique_ptr<llama_kvp_fate_state> fate; // the fate stage's own state of this layer (nullptr: none)
 };
 
 class llama_kvp_memory : public llama_memory_i {
@@ -82,6 +89,15 @@ public:
 
     // K+V bytes of all layer caches now
     int64_t bytes() const;
+
+    // for fate stages: frees cell idx of KV layer ikv; places a token at pos (whose attention mask column gets
+    // `bias`) into a free cell of KV layer ikv and returns the cell, or -1 if none is free
+    void    cell_free (int32_t ikv, uint32_t idx);
+    int32_t cell_place(int32_t ikv, llama_pos pos, float bias);
+
+    // adds the bias of the fate stage's cells of KV layer ikv to an attention mask over its first n_kv cells
+    // (data: f32 or f16 rows of n_kv, n_rows rows; masked entries stay masked)
+    void mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const;
 
     const llama_model   & model;
     const llama_cparams   cparams;

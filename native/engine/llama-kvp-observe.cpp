@@ -74,6 +74,11 @@ void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
     kv.v_cells[0].rm(i);
 }
 
+void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos) {
+    kv.v_cells[0].pos_set(i, pos);
+    kv.v_cells[0].seq_add(i, 0);
+}
+
 size_t llama_kvp_kv_access::n_ubatches(const llama_memory_context_i * mctx) {
     if (const auto * kctx = dynamic_cast<const llama_kv_cache_context *>(mctx)) {
         return kctx->ubatches.size();
@@ -209,6 +214,12 @@ llama_memory_i * llama_kvp_create_memory(
     }
     if (model.hparams.is_mla()) {
         throw fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
+    }
+    if (const auto * fate = llama_kvp_fate_of(policy)) {
+        const std::string err = fate->check_model(policy, (int32_t) model.hparams.n_embd_head_k());
+        if (!err.empty()) {
+            throw fail("policy '" + pname + "': " + err);
+        }
     }
     if (cparams.n_seq_max != 1) {
         throw fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max));
@@ -573,6 +584,9 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
                 row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
             }
         }
+        if (st->mem) {
+            st->mem->mask_add_bias(c.layers[0], m, false, n_kv, W); // as in the attention the model computes
+        }
 
         // accumulation: carry a cell's score only while it holds the token it held at the last observation
         // (the layers of one set share their cells, so their bookkeeping is the same)
@@ -633,7 +647,8 @@ void llama_kvp_graph_observe(
     }
     const int32_t ikv = st->layer_of_il[il];
     auto & L = st->layers[ikv];
-    L.seen = true;
+    L.seen     = true;
+    L.kq_scale = kq_scale;
 
     if (!st->observing()) {
         return;
@@ -849,6 +864,37 @@ void llama_kvp_obs_reset(llama_kvp_context * st) {
         std::fill(L.cell_pos_obs.begin(), L.cell_pos_obs.end(), -2);
         L.n_kv_obs = 0;
     }
+}
+
+int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q) {
+    const auto & L = st->layers[ikv];
+    q.clear();
+    if (!st->observing() || !L.q_ring) {
+        return 0;
+    }
+    llama_kvp_sync(st);
+    const int64_t row = L.q_ring->ne[0];
+    int32_t n = 0;
+    for (int32_t s = 0; s < (int32_t) st->slot_pos.size(); ++s) {
+        if (st->slot_pos[s] < 0) {
+            continue;
+        }
+        q.resize((size_t) (n + 1)*row);
+        ggml_backend_tensor_get(L.q_ring, q.data() + (size_t) n*row, (size_t) s*L.q_ring->nb[1], row*sizeof(float));
+        n++;
+    }
+    return n;
+}
+
+void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score) {
+    auto & L = st->layers[ikv];
+    if (!st->observing() || !L.mass_acc || (int32_t) idx >= L.n_cells) {
+        return;
+    }
+    llama_kvp_sync(st);
+    ggml_backend_tensor_set(L.mass_acc, &score, (size_t) idx*sizeof(float), sizeof(float));
+    L.cell_pos_obs[idx] = pos;
+    L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx + 1);
 }
 
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {

@@ -65,6 +65,8 @@ static const llama_kvp_key_info k_keys[] = {
     { "threshold",  false, offsetof(llama_kvp_policy, threshold)  },
     { "skip",       false, offsetof(llama_kvp_policy, skip)       },
     { "per_head",   false, offsetof(llama_kvp_policy, per_head)   },
+    { "bin",        false, offsetof(llama_kvp_policy, bin)        },
+    { "rank",       false, offsetof(llama_kvp_policy, rank)       },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
@@ -154,6 +156,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.chunk      = 128;
     res.guide      = 0;
     llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage (same chunk, guide)
+    llama_kvp_stage_fate_summarise()->defaults(res);
     return res;
 }
 

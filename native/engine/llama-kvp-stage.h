@@ -87,11 +87,28 @@ struct llama_kvp_schedule_stage : llama_kvp_stage {
     virtual bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const = 0;
 };
 
+// per-layer state a fate stage keeps between evictions (owned by the per-layer memory)
+struct llama_kvp_fate_state {
+    virtual ~llama_kvp_fate_state() = default;
+};
+
+class llama_kvp_memory;
+
 struct llama_kvp_fate_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
 
-    // the tokens in cells `idx` leave the layer cache `kv` (one call per layer and eviction)
-    virtual void leave(llama_kv_cache & kv, const std::vector<uint32_t> & idx) const = 0;
+    // "" if the policy can run on this model (checked when the memory is created)
+    virtual std::string check_model(const llama_kvp_policy & p, int32_t n_embd_head) const { (void) p; (void) n_embd_head; return ""; }
+
+    // cells the stage puts back into KV layer ikv when n_leaving more tokens leave it (e.g. centroids)
+    virtual uint32_t n_added(const llama_kvp_memory & mem, int32_t ikv, uint32_t n_leaving) const { (void) mem; (void) ikv; (void) n_leaving; return 0; }
+
+    // the tokens in `leaving` (cells of KV layer ikv, in position order) leave it (one call per layer and eviction);
+    // the stage frees their cells and may fill free cells with its own (at most n_added of them)
+    virtual void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const = 0;
+
+    // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
+    virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
 };
 
 struct llama_kvp_prefill_stage : llama_kvp_stage {
@@ -137,6 +154,7 @@ const llama_kvp_stage * llama_kvp_stage_score_accumulated();
 const llama_kvp_stage * llama_kvp_stage_schedule_prompt();
 const llama_kvp_stage * llama_kvp_stage_schedule_every();
 const llama_kvp_stage * llama_kvp_stage_fate_drop();
+const llama_kvp_stage * llama_kvp_stage_fate_summarise();
 const llama_kvp_stage * llama_kvp_stage_prefill_dense();
 const llama_kvp_stage * llama_kvp_stage_prefill_sparse();
 

@@ -451,3 +451,80 @@ int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, f
     }
     return (int32_t) st->layers.size();
 }
+
+//
+// summarise fate
+//
+
+static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_SUMMARISE) {
+        llama_kvp_set_error("the context's policy does not summarise (fate stage 'summarise')");
+        return nullptr;
+    }
+    return mem;
+}
+
+int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out) {
+    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
+    if (!mem || !out) {
+        return -1;
+    }
+    *out = {};
+    llama_kvp_summarise_sums sums;
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        llama_kvp_summarise_layer_stats(*mem, i, *out, sums, nullptr);
+    }
+    out->fit_err     = sums.n_fit > 0 ? (float) (sums.err/sums.n_fit) : 0.0f;
+    out->fit_lse_err = sums.n_fit > 0 ? (float) (sums.lse/sums.n_fit) : 0.0f;
+    return 0;
+}
+
+int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
+        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
+        return -1;
+    }
+    llama_kvp_summary_stats tmp = {};
+    llama_kvp_summarise_sums sums;
+    std::vector<llama_pos> pos;
+    llama_kvp_summarise_layer_stats(*mem, ikv, tmp, sums, &pos);
+    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
+        out[i] = pos[i];
+    }
+    return (int32_t) pos.size();
+}
+
+int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        llama_kvp_set_error("cell biases need a retention policy (one KV cache per layer)");
+        return -1;
+    }
+    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
+        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
+        return -1;
+    }
+    const auto & L = mem->layers[ikv];
+    const int32_t n = (int32_t) L.kv->get_size();
+    if (!out || n_max < n) {
+        llama_kvp_set_error("cell bias buffer too small: need " + std::to_string(n) + " entries");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, (uint32_t) i);
+        const auto it = p >= 0 ? L.bias.find(p) : L.bias.end();
+        out[i] = it != L.bias.end() ? it->second : 0.0f;
+    }
+    return n;
+}

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 6
+#define LLAMA_KVP_API_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -77,6 +77,7 @@ enum llama_kvp_stage_id {
     LLAMA_KVP_SCHEDULE_PROMPT   = 20, // observe prompt batches only
     LLAMA_KVP_SCHEDULE_EVERY    = 21, // also every `every` decode steps
     LLAMA_KVP_FATE_DROP         = 30, // leaving tokens are gone
+    LLAMA_KVP_FATE_SUMMARISE    = 31, // leaving tokens are binned, each full bin replaced by `rank` fitted centroid cells
     LLAMA_KVP_PREFILL_DENSE     = 40, // dense attention, prompt in chunks (guided by the prompt's end with `guide`)
     LLAMA_KVP_PREFILL_SPARSE    = 41, // per-head entropy-guided block-sparse attention in prompt ubatches (EntropyInfer)
 };
@@ -108,6 +109,8 @@ struct llama_kvp_policy {
     int32_t threshold;  // sparse: KV cells below which a prompt ubatch stays dense
     int32_t skip;       // sparse: first layers that stay dense
     int32_t per_head;   // sparse: 1 = each head its own block count, 0 = every head the layer's largest
+    int32_t bin;        // summarise: leaving tokens per bin (>= 2)
+    int32_t rank;       // summarise: centroid cells that replace a bin (1 <= rank < bin, <= the head size)
 };
 
 // what a policy is made of (names are static strings)
@@ -271,6 +274,38 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
 // total exactly (pure function, used by the entropy policy); returns 0, or -1 if the bounds make it impossible
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out);
+
+// --- summarise fate (fate stage `summarise`) ---
+
+struct llama_kvp_summary_stats {
+    int64_t n_bins;       // bins replaced by centroids, all layers
+    int64_t n_fallback;   // bins dropped instead because their fit failed (singular or not finite)
+    int64_t n_tokens;     // tokens summarised (in the bins replaced)
+    int32_t n_pending;    // tokens waiting in partly filled bins (held in host memory, not in the cache)
+    int32_t n_centroids;  // centroid cells in the caches now
+    int64_t pending_bytes; // host bytes of the pending tokens' K/V (f32)
+    float   fit_err;      // mean relative error of the bins' attention outputs on the reference queries
+    float   fit_lse_err;  // mean absolute error of the bins' log attention mass on the reference queries (nats)
+    double  t_ms;         // time spent reading, fitting and writing bins (ms)
+};
+
+// counters of the summarise fate over all layers; returns 0, or -1 if the policy does not summarise
+int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out);
+
+// positions of the tokens KV layer ikv has summarised so far (in bins replaced by centroids); returns their count
+// (the positions written are the first n_max)
+int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+
+// mask bias of each cell of KV layer ikv: log of the tokens a centroid cell stands for, 0 for a token's own cell;
+// returns the number of cells written
+int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max);
+
+// fits `rank` centroids that replace n tokens of one KV head (pure function, used by the summarise fate): q [m][d]
+// reference queries, k [n][d], v [n][dv] (row-major; tokens in position order, split into `rank` runs of consecutive
+// tokens); writes k_out [rank][d], v_out [rank][dv], the count of tokens of each run in cnt_out [rank] and the fit's
+// errors in err_out[2] (relative output error, mean |log mass error|); returns 0, or -1 if the fit failed
+int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, const float * v, int32_t n, int32_t d, int32_t dv,
+                                float scale, int32_t rank, float * k_out, float * v_out, int32_t * cnt_out, float * err_out);
 
 // cffi-end
 

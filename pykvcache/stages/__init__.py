@@ -9,6 +9,7 @@ from .budget_entropy import EntropyBudget
 from .budget_pyramid import PyramidBudget
 from .budget_uniform import UniformBudget
 from .fate_drop import DropFate
+from .fate_summarise import SummariseFate
 from .prefill_dense import DensePrefill
 from .prefill_sparse import SparsePrefill
 from .schedule_every import EverySchedule
@@ -20,7 +21,7 @@ from .score_window import WindowScore
 STAGES: Dict[str, Type[Stage]] = {
     cls.name: cls
     for cls in (UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
-                PromptSchedule, EverySchedule, DropFate, DensePrefill, SparsePrefill)
+                PromptSchedule, EverySchedule, DropFate, SummariseFate, DensePrefill, SparsePrefill)
 }
 
 __all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES"]

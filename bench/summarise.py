@@ -1,0 +1,153 @@
+"""Summarise against plain eviction by the same policy, in one run: streamed next-token KL and top-1 against the full
+cache at equal KV bytes (REAL: the same budget, centroids inside it) and at equal real tokens (FAIR: eviction with
+the budget minus summarise's centroid cells), needles, time per summarised bin and per generated token.
+
+    python bench/summarise.py --policies snapkv,entropy --budgets 0.25,0.1 -o summarise.json
+
+Text: essays 0-19 of the needle-haystack corpus (KL) and the rest (needles), as `pykvcache eval`; `-f FILE` takes
+the user's text instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from pykvcache.evaluate import (EvalConfig, Runner, compare_logprobs, eval_texts, needle_cases, needle_hits,
+                                policy_spec, stream_logprobs)
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from sparse_prefill import cpu_name  # noqa: E402
+
+
+def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_gen: int) -> Dict[str, Any]:
+    """Streamed KL/top-1 against the full cache, KV bytes, summarise telemetry and decode time of one policy."""
+    r = Runner(spec, cfg)
+    row: Dict[str, Any] = {"spec": r.llm.kv_policy.spec()}
+    got = stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)
+    row.update(compare_logprobs(ref, got))
+    mem = r.llm.kv_memory()
+    row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
+    summ = "+summarise" in row["spec"]
+    t_prev = 0.0
+    if summ:
+        s = r.llm.kv_summary()
+        row.update(n_bins=s.n_bins, n_fallback=s.n_fallback, centroids_per_layer=s.n_centroids / len(mem.layers),
+                   fit_err=s.fit_err, fit_lse_err=s.fit_lse_err, ms_per_bin=s.t_ms / max(s.n_bins + s.n_fallback, 1))
+        t_prev = s.t_ms
+    t0 = time.perf_counter()
+    r.greedy(n_gen)
+    row["ms_per_token"] = 1e3 * (time.perf_counter() - t0) / n_gen
+    if summ:
+        row["summarise_ms_per_token"] = (r.llm.kv_summary().t_ms - t_prev) / n_gen
+    r.close()
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="snapkv,entropy", help="retention presets, comma-separated")
+    ap.add_argument("--budgets", default="0.25,0.1", help="fractions of the prompt, comma-separated")
+    ap.add_argument("--summarise", default="summarise", help="the fate stage spec added (e.g. summarise:bin=32,rank=4)")
+    ap.add_argument("--kl-tokens", type=int, default=2048)
+    ap.add_argument("--stream", type=int, default=256)
+    ap.add_argument("--needle-lengths", default="2048", help="needle prompt lengths (tokens), comma-separated")
+    ap.add_argument("--needle-budget", type=float, default=0.1, help="the budget at which needles run")
+    ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens timed after the streamed text")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-f", "--file", default=None, help="the user's text instead of the essays")
+    ap.add_argument("-o", "--output", default=None, help="write the results as JSON")
+    a = ap.parse_args(argv)
+
+    cfg = EvalConfig(kl_tokens=a.kl_tokens, stream=a.stream, needle_lengths=[int(x) for x in a.needle_lengths.split(",")],
+                     threads=a.threads, text_file=a.file)
+    cfg.validate()
+    full = Runner(None, cfg)
+    tokens, hay = eval_texts(cfg, full.llm)
+    cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay, n, cfg.depths, cfg.seed)]
+    ref = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
+    t0 = time.perf_counter()
+    full.greedy(a.n_gen)
+    full_ms = 1e3 * (time.perf_counter() - t0) / a.n_gen
+    full_hits = needle_hits(full, cases)
+    full.close()
+    rows: List[Dict[str, Any]] = [{"spec": "full", "kl_mean": 0.0, "top1": 1.0, "ms_per_token": full_ms,
+                                   "needle_hits": full_hits}]
+    print(f"full: {full_ms:.1f} ms/token, needles {sum(full_hits)}/{len(full_hits)}", file=sys.stderr, flush=True)
+
+    n_prefix = cfg.kl_tokens - cfg.stream
+    for frac in [float(x) for x in a.budgets.split(",")]:
+        for name in a.policies.split(","):
+            b = int(round(frac * n_prefix))
+            needles = abs(frac - a.needle_budget) < 1e-9
+
+            def at(budget_frac: float, extra: str = "", minus: float = 0.0) -> Any:
+                return lambda n: (policy_spec(name, int(round(budget_frac * n - minus))) or "") + extra
+
+            drop = run(cfg, policy_spec(name, b), tokens, ref, a.n_gen)
+            summ = run(cfg, policy_spec(name, b) + "+" + a.summarise, tokens, ref, a.n_gen)
+            c = summ["centroids_per_layer"]
+            fair = run(cfg, policy_spec(name, max(int(round(b - c)), 1)), tokens, ref, a.n_gen)
+            if needles:
+                for row, spec_of in ((drop, at(frac)), (summ, at(frac, "+" + a.summarise)),
+                                     (fair, at(frac, "", c * cfg.needle_lengths[0] / n_prefix))):
+                    hits: List[bool] = []
+                    for n in cfg.needle_lengths:
+                        rn = Runner(spec_of(n), cfg)
+                        hits += needle_hits(rn, [x for x in cases if x["length"] == n])
+                        rn.close()
+                    row["needle_hits"] = hits
+            for row, kind in ((drop, "drop"), (summ, "summarise"), (fair, "drop, FAIR")):
+                row.update(policy=name, budget_frac=frac, budget=b, kind=kind)
+                rows.append(row)
+                nh = row.get("needle_hits")
+                print(f"{row['spec']} [{kind}]: KL {row['kl_mean']:.4f} top-1 {row['top1']:.3f} "
+                      f"{row['ms_per_token']:.1f} ms/token" + (f", needles {sum(nh)}/{len(nh)}" if nh else ""),
+                      file=sys.stderr, flush=True)
+
+    res = {"command": "python bench/summarise.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
+           "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": a.threads, "kl_tokens": cfg.kl_tokens,
+           "stream": cfg.stream, "needle_lengths": cfg.needle_lengths, "rows": rows}
+    print(markdown(res))
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    """The results as a markdown table."""
+    lines = [f"{res['date']}, {res['cpu']}, {res['threads']} threads: `{res['command']}`", "",
+             "| policy | budget | fate | KL mean | x drop | top-1 | centroids/layer | fit err | ms/bin | ms/token | x drop | needles |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    drop: Dict[Any, Dict[str, Any]] = {}
+    for r in res["rows"]:
+        if r["spec"] == "full":
+            nh = r["needle_hits"]
+            lines.append(f"| full | - | - | 0 | - | 1.000 | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
+            continue
+        key = (r["policy"], r["budget_frac"])
+        if r["kind"] == "drop":
+            drop[key] = r
+        d = drop[key]
+        nh = r.get("needle_hits")
+        summ = r["kind"] == "summarise"
+        lines.append(
+            f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
+            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | "
+            f"{r['centroids_per_layer']:.1f} | {r['fit_err']:.2f} | {r['ms_per_bin']:.2f} | " if summ else
+            f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
+            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | - | - | - | ")
+        lines[-1] += (f"{r['ms_per_token']:.1f} | {r['ms_per_token'] / d['ms_per_token']:.2f} | "
+                      + (f"{sum(nh)}/{len(nh)} |" if nh else "- |"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
