@@ -129,12 +129,64 @@ at depths 0.1, 0.3, 0.5, 0.7, 0.9 of the haystack, greedy answer.
 """
 
 
+def summarise_section(path: Path) -> str:
+    """The summarise section from bench/summarise.py's JSON ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from summarise import markdown as summarise_markdown
+
+    res = json.loads(path.read_text())
+    return f"""
+## Summarise (fate stage `summarise`) against plain eviction
+
+Raw: [results/{path.name}](results/{path.name}). KL text: essays 0-19 ({res['kl_tokens'] - res['stream']}-token prompt,
+then {res['stream']} tokens streamed 16 per call, teacher-forced); the budget is a fraction of the prompt. `drop`:
+the policy alone; `summarise`: the same budget with the tokens it evicts summarised (centroids inside the budget:
+equal KV bytes, the REAL comparison); `drop, FAIR`: the policy alone with the budget minus summarise's centroid cells
+per layer (the same real tokens as summarise, the FAIR comparison). x drop: against `drop` of the same policy and
+budget. fit err: relative error of the bins' attention outputs on the window queries they were fitted to. ms/bin:
+reading, fitting and writing one layer's bin. ms/token: greedy decoding after the streamed text. Needles
+({', '.join(str(n) for n in res['needle_lengths'])}-token haystacks, 5 depths) at the needle budget only.
+
+{summarise_markdown(res)}
+"""
+
+
+def corpus_section(path: Path) -> str:
+    """The second corpus's fidelity section from `pykvcache eval --corpus ... -o` JSON ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    from pykvcache.evaluate import markdown
+
+    res = json.loads(path.read_text())
+    cfg = res["config"]
+    return f"""
+## Fidelity on a second corpus (technical documentation, varied needles)
+
+```
+{res.get('command', 'pykvcache eval')}
+```
+
+Raw: [results/{path.name}](results/{path.name}). Text: {res.get('source', cfg.get('corpus'))}; KL text: its first
+texts up to {cfg['kl_tokens']} tokens, the rest the needle haystack. Needles ({cfg.get('needles')}): six wordings
+whose values are 4-7 digit numbers, first and last names or two-word phrases, at depths
+{', '.join(f'{d:g}' for d in cfg['depths'])} of {', '.join(str(n) for n in cfg['needle_lengths'])}-token prompts;
+hit if the greedy answer contains the value.
+
+{markdown(res)}
+"""
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short texts (minutes); writes into --out, not docs/")
     ap.add_argument("--out", default=None, help="output folder (default: docs/, or kv_results_quick with --quick)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
+    ap.add_argument("--summarise", action="store_true",
+                    help="rerun bench/summarise.py (summarise vs eviction, snapkv and entropy at 25%% and 10%%; ~20 min); "
+                         "without it the section shows results/summarise.json as it is")
     ap.add_argument("--sparse", action="store_true",
                     help="rerun bench/sparse_prefill.py (sparse prefill vs dense at 4k and 8k, needles at 8k; ~30 min); "
                          "without it the section shows results/sparse_prefill.json as it is")
@@ -170,6 +222,11 @@ def main(argv: List[str] | None = None) -> int:
         run([sys.executable, str(ROOT / "bench" / "sparse_prefill.py"), "--lengths", "4096,8192", "--policies",
              "none+sparse", "--needle-lengths", "8192", "-t", str(args.threads), "-o", str(sparse_json)])
     sparse_md = sparse_section(sparse_json)
+    summarise_json = res_dir / "summarise.json"
+    if args.summarise:
+        run([sys.executable, str(ROOT / "bench" / "summarise.py"), "--policies", "snapkv,entropy", "--budgets",
+             "0.25,0.1", "-t", str(args.threads), "-o", str(summarise_json)])
+    extra_md = summarise_section(summarise_json) + corpus_section(res_dir / "eval_numpy-docs.json")
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]
     minutes = (time.time() - t0) / 60
@@ -228,7 +285,7 @@ Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.js
 ![per-layer budgets](results/layer_budgets.png)
 
 ![KV bytes over a generation](results/kv_bytes_generation.png)
-{sparse_md}"""
+{sparse_md}{extra_md}"""
     (out / "RESULTS.md").write_text(text)
     print(f"wrote {out / 'RESULTS.md'} ({minutes:.1f} min)", file=sys.stderr)
     return 0

@@ -340,23 +340,38 @@ void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t
     if (L.bias.empty()) {
         return;
     }
-    for (int64_t j = 0; j < n_kv; ++j) {
-        const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, (uint32_t) j);
-        const auto it = p >= 0 ? L.bias.find(p) : L.bias.end();
-        if (it == L.bias.end()) {
+    // the cells of the biased positions: the last ones found while they still hold them, else a scan
+    bool valid = L.bias_cells.size() == L.bias.size();
+    for (size_t i = 0; valid && i < L.bias_cells.size(); ++i) {
+        const auto & c = L.bias_cells[i];
+        valid = llama_kvp_kv_access::cell_pos(*L.kv, c.idx) == c.pos && L.bias.count(c.pos) && L.bias.at(c.pos) == c.bias;
+    }
+    if (!valid) {
+        L.bias_cells.clear();
+        const uint32_t size = L.kv->get_size();
+        for (uint32_t j = 0; j < size; ++j) {
+            const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, j);
+            const auto it = p >= 0 ? L.bias.find(p) : L.bias.end();
+            if (it != L.bias.end()) {
+                L.bias_cells.push_back({ j, p, it->second });
+            }
+        }
+    }
+    for (const auto & c : L.bias_cells) {
+        if ((int64_t) c.idx >= n_kv) {
             continue;
         }
         for (int64_t r = 0; r < n_rows; ++r) {
             if (f16) {
-                ggml_fp16_t * m = (ggml_fp16_t *) data + r*n_kv + j;
+                ggml_fp16_t * m = (ggml_fp16_t *) data + r*n_kv + c.idx;
                 const float x = ggml_fp16_to_fp32(*m);
                 if (std::isfinite(x)) {
-                    *m = ggml_fp32_to_fp16(x + it->second);
+                    *m = ggml_fp32_to_fp16(x + c.bias);
                 }
             } else {
-                float * m = (float *) data + r*n_kv + j;
+                float * m = (float *) data + r*n_kv + c.idx;
                 if (std::isfinite(*m)) {
-                    *m += it->second;
+                    *m += c.bias;
                 }
             }
         }

@@ -33,6 +33,14 @@ struct llama_kvp_mem_layer {
     // mask gets (log of the tokens a cell stands for)
     std::map<llama_pos, float> bias;
 
+    // the cells holding those positions, as last found (mask_add_bias checks and refinds them)
+    struct bias_cell {
+        uint32_t  idx;
+        llama_pos pos;
+        float     bias;
+    };
+    mutable std::vector<bias_cell> bias_cells;
+
     std::unique_ptr<llama_kvp_fate_state> fate; // the fate stage's own state of this layer (nullptr: none)
 };
 

@@ -104,34 +104,48 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
         cnt_out[r] = r0[r + 1] - r0[r];
     }
 
-    // logits of the reference queries over the bin, the bin's log mass and attention output per query
+    // logits of the reference queries over the bin, the bin's log mass and attention output per query (the
+    // products in float with contiguous inner loops, which the compiler vectorises; sums of exponentials in double)
+    std::vector<float> kt((size_t) d*n); // K transposed
+    for (int32_t j = 0; j < n; ++j) {
+        for (int32_t e = 0; e < d; ++e) {
+            kt[(size_t) e*n + j] = k[(size_t) j*d + e];
+        }
+    }
     std::vector<double> lg((size_t) m*n);
     std::vector<double> lse_run((size_t) m*rank);
     std::vector<double> lse_bin(m);
     std::vector<double> t((size_t) m*dv, 0.0);
+    std::vector<float>  row(n);
+    std::vector<float>  ti(dv);
     for (int32_t i = 0; i < m; ++i) {
         const float * qi = q + (size_t) i*d;
+        std::fill(row.begin(), row.end(), 0.0f);
+        for (int32_t e = 0; e < d; ++e) {
+            const float   qe = qi[e];
+            const float * ke = kt.data() + (size_t) e*n;
+            for (int32_t j = 0; j < n; ++j) {
+                row[j] += qe*ke[j];
+            }
+        }
         double mx = -INFINITY;
         for (int32_t j = 0; j < n; ++j) {
-            const float * kj = k + (size_t) j*d;
-            double dot = 0.0;
-            for (int32_t e = 0; e < d; ++e) {
-                dot += (double) qi[e]*kj[e];
-            }
-            lg[(size_t) i*n + j] = s*dot;
-            mx = std::max(mx, s*dot);
+            lg[(size_t) i*n + j] = s*row[j];
+            mx = std::max(mx, lg[(size_t) i*n + j]);
         }
         double z = 0.0;
+        std::fill(ti.begin(), ti.end(), 0.0f);
         for (int32_t j = 0; j < n; ++j) {
-            const double p = std::exp(lg[(size_t) i*n + j] - mx);
+            const double p  = std::exp(lg[(size_t) i*n + j] - mx);
+            const float  pf = (float) p;
             z += p;
             const float * vj = v + (size_t) j*dv;
             for (int32_t e = 0; e < dv; ++e) {
-                t[(size_t) i*dv + e] += p*vj[e];
+                ti[e] += pf*vj[e];
             }
         }
         for (int32_t e = 0; e < dv; ++e) {
-            t[(size_t) i*dv + e] /= z;
+            t[(size_t) i*dv + e] = ti[e]/z;
         }
         lse_bin[i] = mx + std::log(z);
         for (int32_t r = 0; r < rank; ++r) {
@@ -148,19 +162,22 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
     }
 
     // keys: (s^2 Q^T Q + lambda I) k_r = s Q^T (lse_run_r - log c_r) + lambda mean_r(k)
-    std::vector<double> a((size_t) d*d, 0.0);
+    std::vector<float> af((size_t) d*d, 0.0f);
     for (int32_t i = 0; i < m; ++i) {
         const float * qi = q + (size_t) i*d;
         for (int32_t e = 0; e < d; ++e) {
+            const float qe = qi[e];
+            float * ae = af.data() + (size_t) e*d;
             for (int32_t f = 0; f <= e; ++f) {
-                a[(size_t) e*d + f] += s*s*qi[e]*qi[f];
+                ae[f] += qe*qi[f];
             }
         }
     }
+    std::vector<double> a((size_t) d*d);
     double tr = 0.0;
     for (int32_t e = 0; e < d; ++e) {
-        for (int32_t f = 0; f < e; ++f) {
-            a[(size_t) f*d + e] = a[(size_t) e*d + f];
+        for (int32_t f = 0; f <= e; ++f) {
+            a[(size_t) e*d + f] = a[(size_t) f*d + e] = s*s*af[(size_t) e*d + f];
         }
         tr += a[(size_t) e*d + e];
     }
@@ -293,6 +310,7 @@ struct llama_kvp_summarise_state : llama_kvp_fate_state {
     std::vector<float>     k;      // their K rows (f32, n_embd_k_gqa each)
     std::vector<float>     v;      // their V rows (f32, n_embd_v_gqa each)
     std::vector<llama_pos> done;   // positions summarised (telemetry)
+    llama_pos              pos_max = -1; // the largest position pending or summarised (forget has nothing past it)
 
     int64_t n_bins     = 0;
     int64_t n_fallback = 0;
@@ -310,12 +328,20 @@ static llama_kvp_summarise_state & llama_kvp_summarise_of(llama_kvp_mem_layer & 
     return static_cast<llama_kvp_summarise_state &>(*L.fate);
 }
 
+// bytes [offset, offset + size) of a tensor: in place when its buffer is in host memory, else copied into buf
+static const uint8_t * llama_kvp_tensor_bytes(ggml_tensor * t, size_t offset, size_t size, std::vector<uint8_t> & buf) {
+    if (t->buffer && ggml_backend_buffer_is_host(t->buffer)) {
+        return (const uint8_t *) t->data + offset;
+    }
+    buf.resize(size);
+    ggml_backend_tensor_get(t, buf.data(), offset, size);
+    return buf.data();
+}
+
 // row j of a cache tensor (K, or V not transposed) as f32
 static void llama_kvp_row_get(ggml_tensor * t, uint32_t j, std::vector<uint8_t> & raw, float * out) {
     const size_t nb = ggml_row_size(t->type, t->ne[0]);
-    raw.resize(nb);
-    ggml_backend_tensor_get(t, raw.data(), (size_t) j*t->nb[1], nb);
-    ggml_get_type_traits(t->type)->to_float(raw.data(), out, t->ne[0]);
+    ggml_get_type_traits(t->type)->to_float(llama_kvp_tensor_bytes(t, (size_t) j*t->nb[1], nb, raw), out, t->ne[0]);
 }
 
 static void llama_kvp_row_set(ggml_tensor * t, uint32_t j, std::vector<uint8_t> & raw, const float * src) {
@@ -383,10 +409,10 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         const uint32_t size    = L.kv->get_size();
 
         std::vector<uint8_t> raw;
-        std::vector<uint8_t> v_all; // the whole V tensor when it is stored transposed
+        std::vector<uint8_t> v_buf;
+        const uint8_t * v_all = nullptr; // the whole V tensor when it is stored transposed (in place in host memory)
         if (v_trans && !leaving.empty()) {
-            v_all.resize(ggml_nbytes(vt));
-            ggml_backend_tensor_get(vt, v_all.data(), 0, v_all.size());
+            v_all = llama_kvp_tensor_bytes(vt, 0, ggml_nbytes(vt), v_buf);
         }
         const size_t v_es = ggml_type_size(vt->type); // transposed V is never quantized (llama.cpp needs flash attention for that)
 
@@ -397,6 +423,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             }
             const size_t n0 = S.pos.size();
             S.pos.push_back(c.pos);
+            S.pos_max = std::max(S.pos_max, c.pos);
             S.score.push_back(c.score);
             S.k.resize((n0 + 1)*n_embd_k);
             S.v.resize((n0 + 1)*n_embd_v);
@@ -405,7 +432,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 llama_kvp_row_get(vt, c.idx, raw, S.v.data() + n0*n_embd_v);
             } else {
                 for (int64_t e = 0; e < n_embd_v; ++e) {
-                    ggml_get_type_traits(vt->type)->to_float(v_all.data() + ((size_t) e*size + c.idx)*v_es, S.v.data() + n0*n_embd_v + e, 1);
+                    ggml_get_type_traits(vt->type)->to_float(v_all + ((size_t) e*size + c.idx)*v_es, S.v.data() + n0*n_embd_v + e, 1);
                 }
             }
             mem.cell_free(ikv, c.idx);
@@ -423,6 +450,9 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 continue;
             }
             auto & S = static_cast<llama_kvp_summarise_state &>(*L.fate);
+            if (S.pos_max < p0) {
+                continue; // a truncation past everything the bin holds (llama-cpp-python's eval does one per call)
+            }
             const int64_t n_embd_k = S.pos.empty() ? 0 : (int64_t) (S.k.size()/S.pos.size());
             const int64_t n_embd_v = S.pos.empty() ? 0 : (int64_t) (S.v.size()/S.pos.size());
             size_t w = 0;
@@ -446,6 +476,9 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 S.done.clear();
             } else {
                 S.done.erase(std::remove_if(S.done.begin(), S.done.end(), [&](llama_pos p) { return p >= p0 && (p1 < 0 || p < p1); }), S.done.end());
+            }
+            if (S.pos.empty() && S.done.empty()) {
+                S.pos_max = -1;
             }
         }
     }
