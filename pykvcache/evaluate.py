@@ -19,6 +19,39 @@ from .policies import PolicyError, parse_policy
 
 POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
 CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hobart", "Windhoek", "Reykjavik")
+NEEDLE_SETS = ("classic", "varied")
+
+# the varied needle set: (kind of value, the fact, the question that ends where the value starts)
+VARIED_TEMPLATES = (
+    ("number", "The access code for the {place} archive is {value}.",
+     "What is the access code for the {place} archive? The access code for the {place} archive is"),
+    ("name", "The keeper of the {place} lighthouse in those years was {value}.",
+     "Who was the keeper of the {place} lighthouse? The keeper of the {place} lighthouse was"),
+    ("phrase", "Visitors to {place} must give the password \"{value}\" at the gate.",
+     "What password must visitors to {place} give at the gate? The password is \""),
+    ("number", "According to the survey, the old quarter of {place} had {value} residents.",
+     "How many residents did the old quarter of {place} have according to the survey? It had"),
+    ("name", "The bridge over the river at {place} was designed by the engineer {value}.",
+     "Who designed the bridge over the river at {place}? It was designed by the engineer"),
+    ("phrase", "Among sailors, the harbour of {place} is known as the \"{value}\".",
+     "What is the harbour of {place} known as among sailors? It is known as the \""),
+)
+PLACES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hobart", "Windhoek", "Reykjavik", "Valparaiso", "Tromso",
+          "Zanzibar", "Ushuaia")
+FIRST_NAMES = ("Amara", "Tomasz", "Ingrid", "Kenji", "Lucia", "Oduya", "Mateo", "Freya", "Anika", "Rashid")
+LAST_NAMES = ("Okafor", "Lindqvist", "Marchetti", "Tanaka", "Duarte", "Novak", "Haddad", "Brennan", "Moreau", "Castell")
+ADJECTIVES = ("silver", "quiet", "amber", "hollow", "crimson", "gentle", "northern", "patient")
+NOUNS = ("harbor", "lantern", "orchard", "compass", "falcon", "meadow", "anchor", "willow")
+
+
+def varied_value(kind: str, rng: random.Random) -> str:
+    """A needle value: a number of 4-7 digits, a first and last name, or a two-word phrase."""
+    if kind == "number":
+        n_digits = rng.randint(4, 7)
+        return str(rng.randint(10 ** (n_digits - 1), 10 ** n_digits - 1))
+    if kind == "name":
+        return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    return f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
 
 
 class EvalError(ValueError):
@@ -40,7 +73,9 @@ class EvalConfig:
     threads: int = 2
     seed: int = 1234
     model_path: Optional[str] = None
-    text_file: Optional[str] = None  # the user's text for the KL text and the haystacks (default: the essays)
+    text_file: Optional[str] = None  # the user's text for the KL text and the haystacks (default: the corpus)
+    corpus: str = "essays"       # the registry corpus when there is no text_file (pykvcache.corpus.CORPORA)
+    needles: str = "classic"     # classic: "special magic number" with 4 digits; varied: NEEDLE_SETS's other wordings
     prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
 
     @classmethod
@@ -73,6 +108,10 @@ class EvalConfig:
             raise EvalError(f"needle lengths must be >= 128 tokens (got {self.needle_lengths})")
         if self.n_agree < 1 or self.threads < 1:
             raise EvalError("n_agree and threads must be >= 1")
+        if self.corpus not in corpus.CORPORA:
+            raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
+        if self.needles not in NEEDLE_SETS:
+            raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)})")
         if self.text_file is not None and not Path(self.text_file).is_file():
             raise EvalError(f"text file not found: {self.text_file}")
         if self.prefill is not None:
@@ -106,11 +145,21 @@ def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Option
 
 def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
     """The KL text's tokens and the needle haystack: essays 0-19 and 20-, or the two parts of the user's file."""
-    if cfg.text_file is None:
+    if cfg.text_file is None and cfg.corpus == "essays":
         texts = corpus.essays()
         tokens = llm.tokenize("\n\n".join(texts[:20]).encode())[: cfg.kl_tokens]
         hay = "\n\n".join(texts[20:])
         what = "the KL text (essays 0-19)"
+    elif cfg.text_file is None:
+        # the first texts that give kl_tokens tokens are the KL text, the others the haystack
+        texts = corpus.texts(cfg.corpus)
+        n_chars, k = 0, 0
+        while k < len(texts) and n_chars < 8 * cfg.kl_tokens:  # ~4 characters per token, twice over
+            n_chars += len(texts[k])
+            k += 1
+        tokens = llm.tokenize("\n\n".join(texts[:k]).encode())[: cfg.kl_tokens]
+        hay = "\n\n".join(texts[k:])
+        what = f"the KL text ({cfg.corpus} 0-{k - 1})"
     else:
         text = Path(cfg.text_file).read_text(encoding="utf-8", errors="replace")
         every = llm.tokenize(text.encode())
@@ -201,18 +250,29 @@ def compare_logprobs(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, 
             "top1": float(ag.mean()), "n_scored": int(kl.size)}
 
 
-def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[float], seed: int) -> List[Dict[str, Any]]:
-    """Prompts of n_tokens tokens with a numbered fact at each depth (after a sentence end), and their answers."""
+def needle_text(kind: str, i: int, n_tokens: int, rng: random.Random) -> Tuple[str, str, str]:
+    """The fact, the question and the answer of needle i of a prompt of n_tokens tokens in a needle set."""
+    if kind == "classic":
+        city = CITIES[(i + n_tokens // 7) % len(CITIES)]
+        num = rng.randint(1000, 9999)
+        return (f" The special magic number for {city} is {num}.",
+                f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is", str(num))
+    value_kind, fact, question = VARIED_TEMPLATES[(i + n_tokens // 512) % len(VARIED_TEMPLATES)]
+    place = PLACES[rng.randrange(len(PLACES))]
+    value = varied_value(value_kind, rng)
+    return " " + fact.format(place=place, value=value), "\n\n" + question.format(place=place), value
+
+
+def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[float], seed: int,
+                 kind: str = "classic") -> List[Dict[str, Any]]:
+    """Prompts of n_tokens tokens with a fact at each depth (after a sentence end), and their answers."""
     rng = random.Random(seed + n_tokens)
     hay = llm.tokenize(" ".join(haystack.split()).encode(), add_bos=False)
     cases = []
     for i, depth in enumerate(depths):
-        city = CITIES[(i + n_tokens // 7) % len(CITIES)]
-        num = rng.randint(1000, 9999)
-        needle = llm.tokenize(f" The special magic number for {city} is {num}.".encode(), add_bos=False)
-        question = llm.tokenize(
-            f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is".encode(),
-            add_bos=False)
+        fact, ask, answer = needle_text(kind, i, n_tokens, rng)
+        needle = llm.tokenize(fact.encode(), add_bos=False)
+        question = llm.tokenize(ask.encode(), add_bos=False)
         n_body = n_tokens - 1 - len(needle) - len(question)
         if len(hay) < n_body:
             raise EvalError(f"the needle haystack has {len(hay)} tokens, too few for a {n_tokens}-token needle prompt")
@@ -221,17 +281,18 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
         while 0 < k < len(body) and not llm.detokenize([body[k - 1]]).endswith(b"."):
             k += 1
         tokens = [llm.token_bos()] + body[:k] + needle + body[k:] + question
-        cases.append({"length": n_tokens, "depth": depth, "answer": str(num), "tokens": tokens})
+        n_answer = 6 if kind == "classic" else len(llm.tokenize((" " + answer).encode(), add_bos=False)) + 3
+        cases.append({"length": n_tokens, "depth": depth, "answer": answer, "tokens": tokens, "n_answer": n_answer})
     return cases
 
 
-def needle_hits(r: Runner, cases: List[Dict[str, Any]], n_answer: int = 6) -> List[bool]:
-    """Greedy answer of each case contains its number."""
+def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:
+    """Greedy answer of each case contains its value."""
     hits = []
     for c in cases:
         r.reset()
         r.prefill(c["tokens"])
-        out = r.llm.detokenize(r.greedy(n_answer)).decode("utf-8", errors="replace")
+        out = r.llm.detokenize(r.greedy(c.get("n_answer", 6))).decode("utf-8", errors="replace")
         hits.append(c["answer"] in out)
     return hits
 
@@ -266,7 +327,8 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     full = Runner(None, cfg)
     try:
         tokens, hay_text = eval_texts(cfg, full.llm)
-        cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed)]
+        cases = [c for n in cfg.needle_lengths
+                 for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed, cfg.needles)]
     except EvalError:
         full.close()
         raise
@@ -315,8 +377,9 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
         for name in cfg.policies:
             runs.append(run_policy(name, frac))
     cfg_d = asdict(cfg)
-    return {"config": cfg_d, "n_ctx": cfg.n_ctx, "cases": [{k: c[k] for k in ("length", "depth", "answer")} for c in cases],
-            "runs": runs}
+    source = cfg.text_file if cfg.text_file else corpus.describe(cfg.corpus)
+    return {"config": cfg_d, "n_ctx": cfg.n_ctx, "source": source,
+            "cases": [{k: c[k] for k in ("length", "depth", "answer")} for c in cases], "runs": runs}
 
 
 def markdown(results: Dict[str, Any]) -> str:
@@ -324,7 +387,8 @@ def markdown(results: Dict[str, Any]) -> str:
     full = results["runs"][0]
     n_agree = results["config"]["n_agree"]
     cfg = results["config"]
-    lines = [f"text: {cfg['text_file']}", ""] if cfg.get("text_file") else []
+    default = not cfg.get("text_file") and cfg.get("corpus", "essays") == "essays" and cfg.get("needles", "classic") == "classic"
+    lines = [] if default else [f"text: {results.get('source')}; needles: {cfg.get('needles', 'classic')}", ""]
     if cfg.get("prefill"):
         lines += [f"prefill mode of every row but full: {cfg['prefill']}", ""]
     lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"

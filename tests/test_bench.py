@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from pykvcache import cli
-from pykvcache.evaluate import EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, write_outputs
+from pykvcache import Llama
+from pykvcache.evaluate import (EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, needle_cases,
+                                write_outputs)
 
 RESULT_FIELDS = {
     "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
@@ -202,3 +204,53 @@ def test_harness_invalid_settings(kwargs, message):
 def test_eval_cli_invalid_argument_is_a_clear_error(capsys):
     assert cli.main(["eval", "--budgets", "0,0.1"]) == 2
     assert "budgets are fractions" in capsys.readouterr().err
+
+
+def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
+    from pykvcache import corpus
+
+    texts = corpus.numpy_docs()
+    assert len(texts) > 200 and sum(len(t) for t in texts) > 500_000
+    assert texts == corpus.numpy_docs()
+    assert texts[0].startswith("numpy.") and "Parameters" in "".join(texts[:20])
+    assert "numpy" in corpus.describe("numpy-docs") and "BSD" in corpus.describe("numpy-docs")
+    with pytest.raises(ValueError, match="unknown corpus 'poems'"):
+        corpus.texts("poems")
+
+
+def test_varied_needles_vary_in_wording_value_and_length(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    from pykvcache import corpus
+
+    hay = "\n\n".join(corpus.numpy_docs()[100:])
+    cases = [c for n in (1024, 2048, 4096) for c in needle_cases(llm, hay, n, [0.2, 0.4, 0.6, 0.8], 1234, "varied")]
+    assert len(cases) == 12
+    answers = [c["answer"] for c in cases]
+    numbers = [a for a in answers if a.isdigit()]
+    words = [a for a in answers if not a.isdigit()]
+    assert numbers and {len(a) for a in numbers} <= {4, 5, 6, 7}
+    names = [a for a in words if all(w[0].isupper() for w in a.split())]
+    phrases = [a for a in words if a.islower()]
+    assert names and phrases and len(names) + len(phrases) == len(words)
+    questions = set()
+    for c in cases:
+        assert len(c["tokens"]) == c["length"]
+        text = llm.detokenize(c["tokens"]).decode("utf-8", errors="replace")
+        assert text.count(c["answer"]) == 1  # once in the fact, and the question ends where the value starts
+        questions.add(text.rsplit("\n\n", 1)[1].split("?")[0])
+        assert c["n_answer"] >= len(llm.tokenize((" " + c["answer"]).encode(), add_bos=False))
+    assert len(questions) >= 3
+    llm.close()
+
+
+def test_harness_on_the_second_corpus_with_varied_needles(model_path):
+    cfg = EvalConfig(policies=["snapkv"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[256],
+                     depths=[0.3, 0.7], n_agree=4, threads=2, model_path=model_path, corpus="numpy-docs",
+                     needles="varied")
+    res = evaluate(cfg, quiet=True)
+    full, snap = res["runs"]
+    assert full["kl_mean"] == 0.0 and snap["kl_mean"] > 0.0 and len(snap["needle_hits"]) == 2
+    assert "numpy" in res["source"] and markdown(res).startswith("text: numpy's docstrings")
+    for kwargs, message in (({"corpus": "poems"}, "unknown corpus 'poems'"), ({"needles": "odd"}, "unknown needle set")):
+        with pytest.raises(EvalError, match=message):
+            EvalConfig(**kwargs).validate()
