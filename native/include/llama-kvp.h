@@ -301,8 +301,8 @@ int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int3
 int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max);
 
 // fits `rank` centroids that replace n tokens of one KV head (pure function, used by the summarise fate): q [m][d]
-// reference queries, k [n][d], v [n][dv] (row-major; tokens in position order, split into `rank` runs of consecutive
-// tokens); writes k_out [rank][d], v_out [rank][dv], the count of tokens of each run in cnt_out [rank] and the fit's
+// reference queries, k [n][d], v [n][dv] (row-major, split into `rank` runs of consecutive rows, run r of
+// (r+1)*n/rank - r*n/rank rows: the summarise fate orders the rows so that a run holds similar keys); writes k_out [rank][d], v_out [rank][dv], the count of tokens of each run in cnt_out [rank] and the fit's
 // errors in err_out[2] (relative output error, mean |log mass error|); returns 0, or -1 if the fit failed
 int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, const float * v, int32_t n, int32_t d, int32_t dv,
                                 float scale, int32_t rank, float * k_out, float * v_out, int32_t * cnt_out, float * err_out);

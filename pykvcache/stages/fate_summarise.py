@@ -12,7 +12,7 @@ from ..policies import Stage
 class SummariseFate(Stage):
     """Leaving tokens go to a bin of `bin` tokens per layer; a full bin becomes `rank` fitted centroid cells.
 
-    Per KV head, the centroids' keys fit the log attention mass of runs of consecutive tokens and their values the
+    Per KV head, the centroids' keys fit the log attention mass of groups of similar keys and their values the
     bin's attention output, for the observation window's queries (HAE/SRC); the centroids count against the budget.
     """
 
