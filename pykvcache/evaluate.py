@@ -292,7 +292,7 @@ def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:
     for c in cases:
         r.reset()
         r.prefill(c["tokens"])
-        out = r.llm.detokenize(r.greedy(c.get("n_answer", 6))).decode("utf-8", errors="replace")
+        out = r.llm.detokenize(r.greedy(c["n_answer"])).decode("utf-8", errors="replace")
         hits.append(c["answer"] in out)
     return hits
 

@@ -344,7 +344,8 @@ void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t
     bool valid = L.bias_cells.size() == L.bias.size();
     for (size_t i = 0; valid && i < L.bias_cells.size(); ++i) {
         const auto & c = L.bias_cells[i];
-        valid = llama_kvp_kv_access::cell_pos(*L.kv, c.idx) == c.pos && L.bias.count(c.pos) && L.bias.at(c.pos) == c.bias;
+        const auto it = L.bias.find(c.pos);
+        valid = it != L.bias.end() && it->second == c.bias && llama_kvp_kv_access::cell_pos(*L.kv, c.idx) == c.pos;
     }
     if (!valid) {
         L.bias_cells.clear();

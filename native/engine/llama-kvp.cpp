@@ -456,6 +456,15 @@ int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, f
 // summarise fate
 //
 
+// false (with the error set) if ikv is not a KV layer of the per-layer memory
+static bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv) {
+    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
+        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
+        return false;
+    }
+    return true;
+}
+
 static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) {
     if (!llama_kvp_check_ctx(ctx)) {
         return nullptr;
@@ -485,11 +494,7 @@ int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_s
 
 int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
     llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
-    if (!mem) {
-        return -1;
-    }
-    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
-        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
+    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
         return -1;
     }
     llama_kvp_summary_stats tmp = {};
@@ -511,8 +516,7 @@ int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float
         llama_kvp_set_error("cell biases need a retention policy (one KV cache per layer)");
         return -1;
     }
-    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
-        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
+    if (!llama_kvp_check_layer(mem, ikv)) {
         return -1;
     }
     const auto & L = mem->layers[ikv];

@@ -372,15 +372,18 @@ static void llama_kvp_group_keys(const float * k, int32_t d, int32_t * idx, int3
         x /= n;
     }
     std::vector<double> u(d, 1.0/std::sqrt((double) d)), w(d);
-    std::vector<double> proj(n);
+    auto proj = [&](const float * kj) { // the centred key's coordinate along u
+        double t = 0.0;
+        for (int32_t e = 0; e < d; ++e) {
+            t += (kj[e] - mean[e])*u[e];
+        }
+        return t;
+    };
     for (int it = 0; it < 12; ++it) {
         std::fill(w.begin(), w.end(), 0.0);
         for (int32_t j = 0; j < n; ++j) {
             const float * kj = k + (size_t) idx[j]*d;
-            double t = 0.0;
-            for (int32_t e = 0; e < d; ++e) {
-                t += (kj[e] - mean[e])*u[e];
-            }
+            const double  t  = proj(kj);
             for (int32_t e = 0; e < d; ++e) {
                 w[e] += t*(kj[e] - mean[e]);
             }
@@ -399,12 +402,7 @@ static void llama_kvp_group_keys(const float * k, int32_t d, int32_t * idx, int3
     }
     std::vector<std::pair<double, int32_t>> order(n);
     for (int32_t j = 0; j < n; ++j) {
-        const float * kj = k + (size_t) idx[j]*d;
-        double t = 0.0;
-        for (int32_t e = 0; e < d; ++e) {
-            t += (kj[e] - mean[e])*u[e];
-        }
-        order[j] = { t, idx[j] };
+        order[j] = { proj(k + (size_t) idx[j]*d), idx[j] };
     }
     std::sort(order.begin(), order.end());
     for (int32_t j = 0; j < n; ++j) {
@@ -475,11 +473,14 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
 
         std::vector<uint8_t> raw;
         std::vector<uint8_t> v_buf;
-        const uint8_t * v_all = nullptr; // the whole V tensor when it is stored transposed (in place in host memory)
-        if (v_trans && !leaving.empty()) {
+        const size_t v_es = ggml_type_size(vt->type); // transposed V is never quantized (llama.cpp needs flash attention for that)
+        // transposed V: in place in host memory; in device memory one read of the whole tensor for many leavers
+        // (prompt chunks), element reads for a few (decode steps)
+        const uint8_t * v_all = nullptr;
+        const bool v_host = vt->buffer && ggml_backend_buffer_is_host(vt->buffer);
+        if (v_trans && !leaving.empty() && (v_host || 8*leaving.size() > size)) {
             v_all = llama_kvp_tensor_bytes(vt, 0, ggml_nbytes(vt), v_buf);
         }
-        const size_t v_es = ggml_type_size(vt->type); // transposed V is never quantized (llama.cpp needs flash attention for that)
 
         for (const auto & c : leaving) {
             if (L.bias.count(c.pos)) {
@@ -497,7 +498,9 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 llama_kvp_row_get(vt, c.idx, raw, S.v.data() + n0*n_embd_v);
             } else {
                 for (int64_t e = 0; e < n_embd_v; ++e) {
-                    ggml_get_type_traits(vt->type)->to_float(v_all + ((size_t) e*size + c.idx)*v_es, S.v.data() + n0*n_embd_v + e, 1);
+                    const size_t off = ((size_t) e*size + c.idx)*v_es;
+                    const uint8_t * x = v_all ? v_all + off : llama_kvp_tensor_bytes(vt, off, v_es, raw);
+                    ggml_get_type_traits(vt->type)->to_float(x, S.v.data() + n0*n_embd_v + e, 1);
                 }
             }
             mem.cell_free(ikv, c.idx);
