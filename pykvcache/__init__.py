@@ -6,7 +6,7 @@ Import pykvcache before llama_cpp: it points llama_cpp at its patched libllama.
 from ._native import NativeLibraryError
 from .llama import Llama, default_model_path
 from .policies import Composed, KVPolicy, Policy, PolicyError, Stage, parse_policy, policy_help
-from .presets import H2O, EntropyLayerBudget, FullCache, Observe, Pyramid, RetentionPolicy, SinkRecent, SnapKV
+from .presets import H2O, EntropyLayerBudget, Freeze, FullCache, Observe, Pyramid, RetentionPolicy, SinkRecent, SnapKV
 from .stages import (
     AccumulatedScore,
     DensePrefill,
@@ -14,6 +14,8 @@ from .stages import (
     SummariseFate,
     EntropyBudget,
     EverySchedule,
+    FreezeSchedule,
+    HostFate,
     PromptSchedule,
     PyramidBudget,
     RecencyScore,
@@ -21,7 +23,7 @@ from .stages import (
     UniformBudget,
     WindowScore,
 )
-from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
+from .telemetry import HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
 
 __version__ = "0.1.0"
 
@@ -39,6 +41,7 @@ __all__ = [
     "H2O",
     "Pyramid",
     "EntropyLayerBudget",
+    "Freeze",
     "UniformBudget",
     "PyramidBudget",
     "EntropyBudget",
@@ -47,8 +50,10 @@ __all__ = [
     "AccumulatedScore",
     "PromptSchedule",
     "EverySchedule",
+    "FreezeSchedule",
     "DropFate",
     "SummariseFate",
+    "HostFate",
     "DensePrefill",
     "SparsePrefill",
     "PolicyError",
@@ -58,6 +63,7 @@ __all__ = [
     "default_model_path",
     "KVStats",
     "KVTelemetry",
+    "HostTelemetry",
     "SparseTelemetry",
     "LayerStats",
     "KVMemory",

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Generator, Optional, Sequence
+from typing import Any, Dict, Generator, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .policies import Policy, PolicyError, as_policy, from_native
-from .telemetry import KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry, SummaryTelemetry
+from .telemetry import (HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry,
+                        SummaryTelemetry)
 
 llama_cpp = import_llama_cpp()
 
@@ -196,7 +197,8 @@ class Llama(llama_cpp.Llama):
         return KVMemory(bytes=int(info.bytes), bytes_peak=int(info.bytes_peak), per_layer=bool(info.per_layer),
                         budget=int(info.budget), n_prompt=int(info.n_prompt), chunk=int(info.chunk),
                         n_evicted=int(info.n_evicted), n_resize=int(info.n_resize), n_budget=int(info.n_budget),
-                        layers=budgets)
+                        layers=budgets, host_bytes=int(info.host_bytes), host_bytes_peak=int(info.host_bytes_peak),
+                        n_active=int(info.n_active))
 
     def kv_retained(self) -> np.ndarray:
         """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted)."""
@@ -269,6 +271,61 @@ class Llama(llama_cpp.Llama):
             n_pending=int(out.n_pending), n_centroids=int(out.n_centroids), pending_bytes=int(out.pending_bytes),
             fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms))
 
+    def kv_host(self) -> HostTelemetry:
+        """Host tier telemetry: active, frozen and host tokens and bytes, freeze/thaw counts, and per layer x position
+        active/frozen/cold/dropped."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        out = ffi.new("struct llama_kvp_host_stats *")
+        if lib.llama_kvp_host(ctx, out) != 0:
+            raise PolicyError(last_error())
+        layers = self.kv_stats().layers
+        n_pos = max(int(self.n_tokens), 1)
+        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+        for s, layer in enumerate(layers):
+            n = lib.llama_kvp_layer_host(ctx, s, ffi.NULL, ffi.NULL, 0)
+            hpos = np.zeros(max(n, 1), dtype=np.int32)
+            timer = np.zeros(max(n, 1), dtype=np.int32)
+            pos = np.zeros(layer.n_cells, dtype=np.int32)
+            if (n < 0 or lib.llama_kvp_layer_host(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(hpos)),
+                                                  ffi.cast("int32_t *", ffi.from_buffer(timer)), n) < 0
+                    or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0):
+                raise RuntimeError(last_error())
+            hpos, timer = hpos[:n], timer[:n]
+            ok = (hpos >= 0) & (hpos < n_pos)
+            state[s, hpos[ok & (timer > 0)]] = HostTelemetry.FROZEN
+            state[s, hpos[ok & (timer == 0)]] = HostTelemetry.COLD
+            state[s, pos[(pos >= 0) & (pos < n_pos)]] = HostTelemetry.ACTIVE
+        return HostTelemetry(
+            state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
+            host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),
+            n_thaw=int(out.n_thaw), n_evict=int(out.n_evict), n_dropped=int(out.n_dropped), n_steps=int(out.n_steps),
+            t_ms=float(out.t_ms))
+
+    def kv_thaw_all(self) -> int:
+        """Move every token of the host tier back into the layer caches (as far as their budgets allow); returns the
+        tokens thawed."""
+        ffi, lib = native()
+        n = lib.llama_kvp_host_thaw_all(self._native_ctx())
+        if n < 0:
+            raise PolicyError(last_error())
+        return int(n)
+
+    def kv_cell_bytes(self, layer: int, pos: int) -> Optional[Tuple[bytes, bytes]]:
+        """Raw K and V bytes the cache of KV layer `layer` holds for position `pos` (None if it holds none)."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        n = lib.llama_kvp_layer_cell_kv(ctx, layer, pos, ffi.NULL, ffi.NULL)
+        if n < 0:
+            raise RuntimeError(last_error())
+        if n == 0:
+            return None
+        k = ffi.new("uint8_t[]", int(n))
+        v = ffi.new("uint8_t[]", int(n))
+        lib.llama_kvp_layer_cell_kv(ctx, layer, pos, k, v)
+        nk = int(self.kv_stats().layers[layer].k_bytes) // int(self.kv_stats().layers[layer].n_cells)
+        return bytes(ffi.buffer(k, nk)), bytes(ffi.buffer(v, int(n) - nk))
+
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
         of the sparse prefill (Rigid/Dynamic heads, budgets, density)."""
@@ -288,6 +345,7 @@ class Llama(llama_cpp.Llama):
             retained=self.kv_retained() if pol is not None and pol.retains else None,
             sparse=self.kv_sparse() if pol is not None and pol.sparse else None,
             summary=self.kv_summary() if pol is not None and pol.describe()["stages"]["fate"] == "summarise" else None,
+            host=self.kv_host() if pol is not None and pol.describe()["stages"]["fate"] == "host" else None,
         )
         if sparse_only:  # nothing observed
             empty = np.zeros((len(stats.layers), 0), dtype=np.float32)

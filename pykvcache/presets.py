@@ -132,6 +132,24 @@ class EntropyLayerBudget(RetentionPolicy):
     guide: bool = True
 
 
+@dataclass(frozen=True)
+class Freeze(RetentionPolicy):
+    """ASR-KF soft rolling freeze (uniform + accumulated + freeze + host + dense): every token is kept (the budget is
+    the context), but at each decode step a token whose attention stays below `tau`/n freezes into the host tier for
+    floor(sqrt(c)/`k`) steps, c its low steps among the last `hist`; the last `n_recent` tokens never freeze. The
+    host tier holds at most `limit` tokens per layer (0: the context size)."""
+
+    name: ClassVar[str] = "freeze"
+    type_id: ClassVar[int] = 7
+
+    n_recent: int = 32
+    tau: float = 0.5
+    k: int = 2
+    hist: int = 128
+    limit: int = 0
+    chunk: int = 128
+
+
 PRESETS: Dict[str, Type[KVPolicy]] = {
-    cls.name: cls for cls in (FullCache, Observe, SinkRecent, SnapKV, H2O, Pyramid, EntropyLayerBudget)
+    cls.name: cls for cls in (FullCache, Observe, SinkRecent, SnapKV, H2O, Pyramid, EntropyLayerBudget, Freeze)
 }

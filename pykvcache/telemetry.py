@@ -104,6 +104,9 @@ class KVMemory:
     n_resize: int
     n_budget: int
     layers: List[LayerBudget]
+    host_bytes: int = 0
+    host_bytes_peak: int = 0
+    n_active: int = 0
 
     @property
     def budgets(self) -> List[int]:
@@ -209,6 +212,40 @@ class SummaryTelemetry:
         return d
 
 
+@dataclass(frozen=True)
+class HostTelemetry:
+    """The host tier (fate stage `host`, schedule stage `freeze`): tokens moved out of the layer caches into host
+    memory and back.
+
+    state[n_layer, n_pos]  per layer and position: 0 dropped (gone for good), 1 active (in the layer's cache),
+                           2 frozen (in the host tier with a timer), 3 cold (in the host tier, sent by the budget)
+    """
+
+    state: np.ndarray
+    n_active: int
+    n_host: int
+    n_frozen: int
+    host_bytes: int
+    host_bytes_peak: int
+    n_freeze: int
+    n_thaw: int
+    n_evict: int
+    n_dropped: int
+    n_steps: int
+    t_ms: float
+
+    DROPPED: ClassVar[int] = 0
+    ACTIVE: ClassVar[int] = 1
+    FROZEN: ClassVar[int] = 2
+    COLD: ClassVar[int] = 3
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "state"}
+        d["state"] = self.state.astype(int).tolist()
+        return d
+
+
 @dataclass
 class KVTelemetry:
     """Attention observation of the last `window` queries, with positions in ascending order.
@@ -234,6 +271,7 @@ class KVTelemetry:
     retained: Optional[np.ndarray] = None
     sparse: Optional[SparseTelemetry] = None
     summary: Optional[SummaryTelemetry] = None
+    host: Optional[HostTelemetry] = None
 
     def __post_init__(self) -> None:
         """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
@@ -272,6 +310,8 @@ class KVTelemetry:
             d["sparse"] = self.sparse.to_dict()
         if self.summary is not None:
             d["summary"] = self.summary.to_dict()
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
         return d
 
     def to_json(self, path: "str | Path | None" = None) -> str:

@@ -36,6 +36,9 @@ void llama_kvp_set_error(const std::string & msg);
 // policy parameters (llama-kvp-policy.cpp)
 //
 
+// a budget that stands for the whole context (the `freeze` preset keeps every token; it is checked against no n_ctx)
+static constexpr float LLAMA_KVP_BUDGET_ALL = 1.0e8f;
+
 // returns "" if the policy is valid, else the reason
 std::string llama_kvp_policy_check(const llama_kvp_policy & policy);
 
@@ -255,14 +258,30 @@ bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, 
                                      llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised);
 
 //
+// host tier telemetry (stages/fate-host.cpp)
+//
+
+// adds the host-tier counters of KV layer ikv (and its active tokens) to out (false if the layer has no host tier);
+// appends its host positions and timers when not null
+bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struct llama_kvp_host_stats & out,
+                                std::vector<llama_pos> * pos, std::vector<int32_t> * timer);
+
+//
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)
 //
+
+// waits for the context's graph computations (before reading or writing its buffers from the host)
+void llama_kvp_sync(llama_kvp_context * st);
 
 // folds new prompt observations into the per-layer mean entropy; true if there was one (out: mean per layer)
 bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);
 
 // accumulated mass and the position each cell held when it was observed, of KV layer ikv (synchronizes)
 void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos);
+
+// head-mean attention mass of the cells of KV layer ikv at the last observation (averaged over its valid window
+// queries) and the position each cell held then (synchronizes); returns the cells covered
+int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vector<float> & mass, std::vector<llama_pos> & obs_pos);
 
 // restores the scores of KV layer ikv from (position, score) pairs, matched to the cells holding those positions
 void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores);

@@ -19,7 +19,7 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 4; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 5; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -103,6 +103,7 @@ llama_kvp_memory::llama_kvp_memory(
     stage_budget  = llama_kvp_budget_of(policy);
     stage_score   = llama_kvp_score_of(policy);
     stage_fate    = llama_kvp_fate_of(policy);
+    stage_schedule = llama_kvp_schedule_of(policy);
     stage_prefill = llama_kvp_prefill_of(policy);
     GGML_ASSERT(stage_budget && stage_score && stage_fate && stage_prefill);
 
@@ -213,6 +214,11 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
             budgets_set = true;
             n_budget++;
         }
+    }
+
+    // a decode step: the schedule may move tokens between the caches and the host tier first
+    if (n_tokens == 1 && !guiding && stage_schedule) {
+        stage_schedule->before_step(*this);
     }
 
     for (int32_t i = 0; i < n; ++i) {
@@ -333,6 +339,31 @@ int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
         }
     }
     return -1;
+}
+
+void llama_kvp_memory::cells_restore(int32_t ikv, const std::vector<llama_pos> & pos, std::vector<int32_t> & idx) {
+    auto & L = layers[ikv];
+    const uint32_t size = L.kv->get_size();
+    idx.assign(pos.size(), -1);
+    uint32_t j = 0;
+    for (size_t i = 0; i < pos.size(); ++i) {
+        while (j < size && llama_kvp_kv_access::cell_pos(*L.kv, j) >= 0) {
+            j++;
+        }
+        if (j == size) {
+            break;
+        }
+        llama_kvp_kv_access::cell_set(*L.kv, j, pos[i]);
+        idx[i] = (int32_t) j++;
+    }
+}
+
+uint32_t llama_kvp_memory::n_room(int32_t ikv, uint32_t n_tokens) const {
+    const auto & L = layers[ikv];
+    const uint32_t n_used = llama_kvp_kv_access::n_used(*L.kv);
+    const uint32_t cap    = L.kv->get_size();
+    const uint32_t n_keep = std::min<uint32_t>(L.budget, cap > n_tokens ? cap - n_tokens : 0);
+    return n_keep > n_used ? n_keep - n_used : 0;
 }
 
 void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const {
@@ -467,6 +498,9 @@ void llama_kvp_memory::clear(bool data) {
         L.bias.clear();
     }
     stage_fate->forget(*this, 0, -1);
+    if (stage_schedule) {
+        stage_schedule->forget(*this, 0, -1);
+    }
     pos_end   = 0;
     pos_exact = LLAMA_KVP_POS_ALL;
     budgets_set = false;
@@ -488,6 +522,9 @@ bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
         }
     }
     stage_fate->forget(*this, p0, p1);
+    if (stage_schedule) {
+        stage_schedule->forget(*this, p0, p1);
+    }
     // a truncation moves the logical end back; removing a middle range leaves a hole in the exact prefix
     const llama_pos a = std::max<llama_pos>(p0, 0);
     if (p1 < 0 || p1 >= pos_end) {
@@ -608,6 +645,15 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
             io.write(&p, sizeof(p));
             io.write(&b, sizeof(b));
         }
+
+        // the fate stage's tokens of the layer (the host tier)
+        std::vector<uint8_t> blob;
+        stage_fate->state_write(*this, (int32_t) i, blob);
+        const uint64_t n_blob = blob.size();
+        io.write(&n_blob, sizeof(n_blob));
+        if (n_blob > 0) {
+            io.write(blob.data(), blob.size());
+        }
     }
 }
 
@@ -659,6 +705,12 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
         llama_kvp_obs_reset(st);
         llama_kvp_obs_forget_queries(st); // the window queries are not in the state
     }
+    // the stages' own state restarts: the fate stage's pending work and the freeze counts are not in the state (the
+    // host tier is, below)
+    stage_fate->forget(*this, 0, -1);
+    if (stage_schedule) {
+        stage_schedule->forget(*this, 0, -1);
+    }
     for (size_t i = 0; i < layers.size(); ++i) {
         auto & L = layers[i];
         L.budget = lb[2*i];
@@ -698,8 +750,18 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
             }
             L.bias[p] = b;
         }
+
+        uint64_t n_blob = 0;
+        io.read(&n_blob, sizeof(n_blob));
+        if (n_blob > ((uint64_t) 1 << 40)) {
+            throw std::runtime_error("pykvcache: corrupt fate-stage data in the state");
+        }
+        std::vector<uint8_t> blob(n_blob);
+        if (n_blob > 0) {
+            io.read(blob.data(), blob.size());
+        }
+        stage_fate->state_read(*this, (int32_t) i, blob);
     }
-    stage_fate->forget(*this, 0, -1); // the fate stage's pending work is not in the state
     budgets_set = stage_budget->uses_entropy();
 }
 

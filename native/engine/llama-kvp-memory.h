@@ -41,7 +41,8 @@ struct llama_kvp_mem_layer {
     };
     mutable std::vector<bias_cell> bias_cells;
 
-    std::unique_ptr<llama_kvp_fate_state> fate; // the fate stage's own state of this layer (nullptr: none)
+    std::unique_ptr<llama_kvp_layer_state> fate;  // the fate stage's own state of this layer (nullptr: none)
+    std::unique_ptr<llama_kvp_layer_state> sched; // the schedule stage's own state of this layer (nullptr: none)
 };
 
 class llama_kvp_memory : public llama_memory_i {
@@ -103,6 +104,13 @@ public:
     void    cell_free (int32_t ikv, uint32_t idx);
     int32_t cell_place(int32_t ikv, llama_pos pos, float bias);
 
+    // places tokens at positions pos[i] (no mask bias) into free cells of KV layer ikv, in one pass over its cells;
+    // idx[i] = the cell, or -1 when none was left
+    void cells_restore(int32_t ikv, const std::vector<llama_pos> & pos, std::vector<int32_t> & idx);
+
+    // free cells of KV layer ikv ahead of a ubatch of n_tokens (what its budget still allows)
+    uint32_t n_room(int32_t ikv, uint32_t n_tokens) const;
+
     // adds the bias of the fate stage's cells of KV layer ikv to an attention mask over its first n_kv cells
     // (data: f32 or f16 rows of n_kv, n_rows rows; masked entries stay masked)
     void mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const;
@@ -118,6 +126,7 @@ public:
     // the stages of the policy
     const llama_kvp_budget_stage  * stage_budget  = nullptr;
     const llama_kvp_score_stage   * stage_score   = nullptr;
+    const llama_kvp_schedule_stage * stage_schedule = nullptr; // nullptr: nothing observed
     const llama_kvp_fate_stage    * stage_fate    = nullptr;
     const llama_kvp_prefill_stage * stage_prefill = nullptr;
 
@@ -132,6 +141,8 @@ public:
     uint32_t n_pad    = 32;
 
     int64_t bytes_peak = 0;
+    int64_t host_bytes      = 0; // K/V bytes in the host tier (fate stage `host`), all layers
+    int64_t host_bytes_peak = 0;
     int64_t n_evicted  = 0;
     int32_t n_resize   = 0;
     int32_t n_budget   = 0;

@@ -224,7 +224,7 @@ llama_memory_i * llama_kvp_create_memory(
     if (cparams.n_seq_max != 1) {
         throw fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max));
     }
-    if (policy.budget >= 1.0f && policy.budget > (float) cparams.n_ctx_seq) {
+    if (policy.budget >= 1.0f && policy.budget > (float) cparams.n_ctx_seq && policy.budget != LLAMA_KVP_BUDGET_ALL) {
         char buf[256];
         snprintf(buf, sizeof(buf), "policy '%s': budget=%g is larger than the context (n_ctx=%u)", pname.c_str(), (double) policy.budget, cparams.n_ctx_seq);
         throw fail(buf);
@@ -751,7 +751,7 @@ void llama_kvp_graph_observe(
 // results used by the per-layer memory
 //
 
-static void llama_kvp_sync(llama_kvp_context * st) {
+void llama_kvp_sync(llama_kvp_context * st) {
     if (st->lctx) {
         ggml_backend_sched_synchronize(st->lctx->get_sched());
     }
@@ -791,6 +791,29 @@ void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector
     for (int32_t j = 0; j < L.n_kv_obs; ++j) {
         obs_pos[j] = L.cell_pos_obs[j];
     }
+}
+
+int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vector<float> & mass, std::vector<llama_pos> & obs_pos) {
+    const auto & L = st->layers[ikv];
+    const int32_t n_kv = st->observing() ? L.n_kv_obs : 0;
+    mass.assign(n_kv, 0.0f);
+    obs_pos.assign(n_kv, -2);
+    if (n_kv <= 0) {
+        return 0;
+    }
+    llama_kvp_sync(st);
+    std::vector<float> row(n_kv);
+    for (int32_t h = 0; h < st->n_head; ++h) {
+        ggml_backend_tensor_get(L.mass, row.data(), (size_t) h*L.mass->nb[1], (size_t) n_kv*sizeof(float));
+        for (int32_t j = 0; j < n_kv; ++j) {
+            mass[j] += row[j];
+        }
+    }
+    for (int32_t j = 0; j < n_kv; ++j) {
+        mass[j] /= (float) st->n_head;
+        obs_pos[j] = L.cell_pos_obs[j];
+    }
+    return n_kv;
 }
 
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap) {

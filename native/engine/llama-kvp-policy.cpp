@@ -67,6 +67,10 @@ static const llama_kvp_key_info k_keys[] = {
     { "per_head",   false, offsetof(llama_kvp_policy, per_head)   },
     { "bin",        false, offsetof(llama_kvp_policy, bin)        },
     { "rank",       false, offsetof(llama_kvp_policy, rank)       },
+    { "tau",        true,  offsetof(llama_kvp_policy, tau)        },
+    { "k",          false, offsetof(llama_kvp_policy, k)          },
+    { "hist",       false, offsetof(llama_kvp_policy, hist)       },
+    { "limit",      false, offsetof(llama_kvp_policy, limit)      },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
@@ -157,6 +161,8 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.guide      = 0;
     llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage (same chunk, guide)
     llama_kvp_stage_fate_summarise()->defaults(res);
+    llama_kvp_stage_schedule_freeze()->defaults(res);
+    llama_kvp_stage_fate_host()->defaults(res);
     return res;
 }
 
@@ -199,7 +205,7 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
         return name + ": the budget stage '" + budget->name + "' needs a " + llama_kvp_slot_name(slot) + " stage";
     }
     if (score && score->observes() && !schedule) {
-        return name + ": the score stage '" + score->name + "' needs a schedule stage (prompt, every)";
+        return name + ": the score stage '" + score->name + "' needs a schedule stage (prompt, every, freeze)";
     }
     if (schedule && !(score && score->observes())) {
         return name + ": the schedule stage '" + schedule->name + "' needs a score stage that observes (window, accumulated)";

@@ -2,6 +2,7 @@
 // exposes in a spec (e.g. `snapkv:budget=0.1`). A spec may replace any of a preset's stages (`+stage:...`).
 
 #include "llama-kvp-preset.h"
+#include "llama-kvp-impl.h"
 
 static void llama_kvp_set_stages(llama_kvp_policy & p, int32_t budget, int32_t score, int32_t fate, int32_t prefill) {
     p.stage[LLAMA_KVP_SLOT_BUDGET]   = budget;
@@ -82,6 +83,24 @@ static void llama_kvp_make_entropy(llama_kvp_policy & p) {
     p.guide    = 1;
 }
 
+// ASR-KF: every token kept (the budget is the context), tokens of low attention frozen into the host tier
+static void llama_kvp_make_freeze(llama_kvp_policy & p) {
+    llama_kvp_set_stages(p, LLAMA_KVP_BUDGET_UNIFORM, LLAMA_KVP_SCORE_ACCUMULATED, LLAMA_KVP_FATE_HOST, LLAMA_KVP_PREFILL_DENSE);
+    p.budget     = LLAMA_KVP_BUDGET_ALL; // resolved to the context size
+    p.window     = 1;
+    p.every      = 1;
+    p.n_recent   = 32;
+    p.topk_share = 1.0f;
+    p.tau        = 0.5f;
+    p.k          = 2;
+    p.hist       = 128;
+    p.limit      = 0;
+}
+
+static void llama_kvp_derive_freeze(llama_kvp_policy & p) {
+    p.stage[LLAMA_KVP_SLOT_SCHEDULE] = LLAMA_KVP_SCHEDULE_FREEZE;
+}
+
 static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_NONE,        "none",        "",
       "llama.cpp's own cache, unchanged",
@@ -104,6 +123,9 @@ static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,pool,every,decay,chunk,guide",
       "entropy + window (max pooling, sinks, recent) + every + drop + dense guided (Kim & Jung)",
       llama_kvp_make_entropy,     llama_kvp_derive_schedule },
+    { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,limit,chunk",
+      "uniform (the whole context) + accumulated + freeze + host + dense (ASR-KF soft rolling freeze)",
+      llama_kvp_make_freeze,      llama_kvp_derive_freeze },
 };
 
 const llama_kvp_preset * llama_kvp_preset_by_type(int32_t type) {

@@ -9,6 +9,7 @@
 #include "llama-kvp.h"
 
 #include "llama.h"
+#include "ggml.h"
 
 #include <cstdint>
 #include <string>
@@ -80,19 +81,26 @@ struct llama_kvp_score_stage : llama_kvp_stage {
     virtual void score(const llama_kvp_policy & p, std::vector<llama_kvp_cell> & cells) const { (void) p; (void) cells; }
 };
 
+// per-layer state a stage keeps between ubatches (owned by the per-layer memory)
+struct llama_kvp_layer_state {
+    virtual ~llama_kvp_layer_state() = default;
+};
+
+class llama_kvp_memory;
+
 struct llama_kvp_schedule_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
 
     // does the single-token decode step number n_decode (0-based) refresh the scores
     virtual bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const = 0;
-};
 
-// per-layer state a fate stage keeps between evictions (owned by the per-layer memory)
-struct llama_kvp_fate_state {
-    virtual ~llama_kvp_fate_state() = default;
-};
+    // before a single-token decode step, ahead of the budget's eviction: may move tokens between the layer caches
+    // and the host tier (freeze)
+    virtual void before_step(llama_kvp_memory & mem) const { (void) mem; }
 
-class llama_kvp_memory;
+    // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
+    virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
+};
 
 struct llama_kvp_fate_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
@@ -109,6 +117,11 @@ struct llama_kvp_fate_stage : llama_kvp_stage {
 
     // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
     virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
+
+    // what a saved state holds of the stage's tokens of KV layer ikv (nothing by default), and its restoration into
+    // an emptied stage (throws std::runtime_error on data it cannot take)
+    virtual void state_write(const llama_kvp_memory & mem, int32_t ikv, std::vector<uint8_t> & out) const { (void) mem; (void) ikv; (void) out; }
+    virtual void state_read (llama_kvp_memory & mem, int32_t ikv, const std::vector<uint8_t> & in) const { (void) mem; (void) ikv; (void) in; }
 };
 
 struct llama_kvp_prefill_stage : llama_kvp_stage {
@@ -153,8 +166,10 @@ const llama_kvp_stage * llama_kvp_stage_score_window();
 const llama_kvp_stage * llama_kvp_stage_score_accumulated();
 const llama_kvp_stage * llama_kvp_stage_schedule_prompt();
 const llama_kvp_stage * llama_kvp_stage_schedule_every();
+const llama_kvp_stage * llama_kvp_stage_schedule_freeze();
 const llama_kvp_stage * llama_kvp_stage_fate_drop();
 const llama_kvp_stage * llama_kvp_stage_fate_summarise();
+const llama_kvp_stage * llama_kvp_stage_fate_host();
 const llama_kvp_stage * llama_kvp_stage_prefill_dense();
 const llama_kvp_stage * llama_kvp_stage_prefill_sparse();
 
@@ -170,3 +185,23 @@ uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch
 
 // the keys of a score stage that observes: window, decay, n_sink, n_recent, topk_share
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);
+
+//
+// the host tier (stages/fate-host.cpp), also used by the freeze schedule
+//
+
+// the bytes of cells idx[i] of a cache tensor (K, V, or a transposed V) to out + i*(bytes per token), and back; one
+// backend read (and write) per call when the tensor is in device memory
+void llama_kvp_cells_read (ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out);
+void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src);
+
+// moves the tokens of `cells` (cells of KV layer ikv) into its host tier, each with its timer (0: cold, it stays until
+// thawed by name; > 0: it thaws after that many decode steps); their cells are freed. Reads are batched per call.
+void llama_kvp_host_freeze(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & cells, const std::vector<int32_t> & timers);
+
+// one decode step passes for the frozen tokens of KV layer ikv: timers go down by one; tokens at 0 thaw into free
+// cells, at most n_room of them (the others wait a step); returns the tokens thawed
+uint32_t llama_kvp_host_tick(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);
+
+// thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
+uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

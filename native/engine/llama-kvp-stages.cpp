@@ -18,8 +18,10 @@ const std::vector<const llama_kvp_stage *> & llama_kvp_stage_all() {
         llama_kvp_stage_score_accumulated(),
         llama_kvp_stage_schedule_prompt(),
         llama_kvp_stage_schedule_every(),
+        llama_kvp_stage_schedule_freeze(),
         llama_kvp_stage_fate_drop(),
         llama_kvp_stage_fate_summarise(),
+        llama_kvp_stage_fate_host(),
         llama_kvp_stage_prefill_dense(),
         llama_kvp_stage_prefill_sparse(),
     };

@@ -327,7 +327,8 @@ int32_t llama_kvp_reset_peak(struct llama_context * ctx) {
         return -1;
     }
     if (auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory())) {
-        mem->bytes_peak = mem->bytes();
+        mem->bytes_peak      = mem->bytes();
+        mem->host_bytes_peak = mem->host_bytes;
     }
     return 0;
 }
@@ -356,6 +357,11 @@ int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memor
     out->n_evicted  = mem->n_evicted;
     out->n_resize   = mem->n_resize;
     out->n_budget   = mem->n_budget;
+    out->host_bytes      = mem->host_bytes;
+    out->host_bytes_peak = mem->host_bytes_peak;
+    for (const auto & L : mem->layers) {
+        out->n_active += (int32_t) llama_kvp_kv_access::n_used(*L.kv);
+    }
     return 0;
 }
 
@@ -531,4 +537,102 @@ int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float
         out[i] = it != L.bias.end() ? it->second : 0.0f;
     }
     return n;
+}
+
+//
+// host tier
+//
+
+static llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_HOST) {
+        llama_kvp_set_error("the context's policy has no host tier (fate stage 'host')");
+        return nullptr;
+    }
+    return mem;
+}
+
+int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem || !out) {
+        return -1;
+    }
+    *out = {};
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        llama_kvp_host_layer_stats(*mem, i, *out, nullptr, nullptr);
+    }
+    out->host_bytes_peak = mem->host_bytes_peak;
+    out->n_steps = mem->st ? mem->st->n_decode : 0;
+    return 0;
+}
+
+int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
+        return -1;
+    }
+    llama_kvp_host_stats tmp = {};
+    std::vector<llama_pos> p;
+    std::vector<int32_t>   t;
+    llama_kvp_host_layer_stats(*mem, ikv, tmp, &p, &t);
+    for (int32_t i = 0; i < (int32_t) p.size() && i < n_max; ++i) {
+        if (pos) {
+            pos[i] = p[i];
+        }
+        if (timer) {
+            timer[i] = t[i];
+        }
+    }
+    return (int32_t) p.size();
+}
+
+int32_t llama_kvp_host_thaw_all(struct llama_context * ctx) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    llama_synchronize(ctx);
+    int32_t res = 0;
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        res += (int32_t) llama_kvp_host_thaw_all(*mem, i, mem->n_room(i, 1));
+    }
+    if (mem->stage_schedule) {
+        mem->stage_schedule->forget(*mem, 0, -1); // the counts start again
+    }
+    return res;
+}
+
+int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
+        return -1;
+    }
+    llama_synchronize(ctx);
+    const auto & L = mem->layers[ikv];
+    const uint32_t size = L.kv->get_size();
+    for (uint32_t i = 0; i < size; ++i) {
+        if (llama_kvp_kv_access::cell_pos(*L.kv, i) != pos) {
+            continue;
+        }
+        ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+        ggml_tensor * vt = llama_kvp_kv_access::layer_v(*L.kv, 0);
+        const bool v_trans = !mem->cparams.flash_attn;
+        const std::vector<uint32_t> idx = { i };
+        if (k_out) {
+            llama_kvp_cells_read(kt, false, size, idx, (uint8_t *) k_out);
+        }
+        if (v_out) {
+            llama_kvp_cells_read(vt, v_trans, size, idx, (uint8_t *) v_out);
+        }
+        const size_t nk = ggml_row_size(kt->type, kt->ne[0]);
+        const size_t nv = v_trans ? (size_t) vt->ne[0]*ggml_type_size(vt->type) : ggml_row_size(vt->type, vt->ne[0]);
+        return (int64_t) (nk + nv);
+    }
+    return 0;
 }

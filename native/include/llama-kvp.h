@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 7
+#define LLAMA_KVP_API_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -55,6 +55,7 @@ enum llama_kvp_policy_type { // presets
     LLAMA_KVP_POLICY_H2O         = 4, // uniform budget, top-k by attention accumulated over decoding
     LLAMA_KVP_POLICY_PYRAMID     = 5, // fixed linearly decreasing layer budgets, SnapKV scores
     LLAMA_KVP_POLICY_ENTROPY     = 6, // layer budgets in proportion to mean head entropy, top-k + sinks + recent
+    LLAMA_KVP_POLICY_FREEZE      = 7, // every token kept, low-relevance tokens frozen into the host tier for a while (ASR-KF)
 };
 
 enum llama_kvp_slot {
@@ -76,8 +77,10 @@ enum llama_kvp_stage_id {
     LLAMA_KVP_SCORE_ACCUMULATED = 12, // attention accumulated over observations (heavy hitters)
     LLAMA_KVP_SCHEDULE_PROMPT   = 20, // observe prompt batches only
     LLAMA_KVP_SCHEDULE_EVERY    = 21, // also every `every` decode steps
+    LLAMA_KVP_SCHEDULE_FREEZE   = 22, // every decode step; tokens of low attention freeze for floor(sqrt(c)/k) steps
     LLAMA_KVP_FATE_DROP         = 30, // leaving tokens are gone
     LLAMA_KVP_FATE_SUMMARISE    = 31, // leaving tokens are binned, each full bin replaced by `rank` fitted centroid cells
+    LLAMA_KVP_FATE_HOST         = 32, // leaving tokens move to a host-memory tier (raw K/V bytes) and can come back
     LLAMA_KVP_PREFILL_DENSE     = 40, // dense attention, prompt in chunks (guided by the prompt's end with `guide`)
     LLAMA_KVP_PREFILL_SPARSE    = 41, // per-head entropy-guided block-sparse attention in prompt ubatches (EntropyInfer)
 };
@@ -111,6 +114,10 @@ struct llama_kvp_policy {
     int32_t per_head;   // sparse: 1 = each head its own block count, 0 = every head the layer's largest
     int32_t bin;        // summarise: leaving tokens per bin (>= 2)
     int32_t rank;       // summarise: centroid cells that replace a bin (1 <= rank < bin, <= the head size)
+    float   tau;        // freeze: a token is of low relevance when its head-mean attention is below tau/n (n: tokens attended)
+    int32_t k;          // freeze: a token of c low-relevance steps freezes for floor(sqrt(c)/k) steps (>= 1)
+    int32_t hist;       // freeze: decode steps the low-relevance count c covers (a multiple of 64, <= 4096)
+    int32_t limit;      // host: tokens per layer the host tier holds (0 = the context size); past it the coldest are dropped
 };
 
 // what a policy is made of (names are static strings)
@@ -233,6 +240,9 @@ struct llama_kvp_memory_info {
     int64_t n_evicted;  // cells evicted so far, all layers
     int32_t n_resize;   // per-layer cache reallocations so far
     int32_t n_budget;   // layer budget decisions (entropy policy) so far
+    int64_t host_bytes;      // K+V bytes in the host tier now (fate stage `host`; not in `bytes`)
+    int64_t host_bytes_peak; // largest host-tier bytes at any time
+    int32_t n_active;   // tokens the layer caches hold now, all layers (the host tier's are not counted)
 };
 
 struct llama_kvp_layer_budget {
@@ -306,6 +316,38 @@ int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float
 // errors in err_out[2] (relative output error, mean |log mass error|); returns 0, or -1 if the fit failed
 int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, const float * v, int32_t n, int32_t d, int32_t dv,
                                 float scale, int32_t rank, float * k_out, float * v_out, int32_t * cnt_out, float * err_out);
+
+// --- host tier (fate stage `host`, schedule stage `freeze`) ---
+
+struct llama_kvp_host_stats {
+    int32_t n_active;        // tokens in the layer caches now, all layers
+    int32_t n_host;          // tokens in the host tier now, all layers
+    int32_t n_frozen;        // of those, frozen with a timer (they thaw by themselves)
+    int64_t host_bytes;      // K+V bytes the host tier holds now (raw cache bytes)
+    int64_t host_bytes_peak; // largest host bytes at any time
+    int64_t n_freeze;        // tokens frozen so far by the freeze schedule (all layers)
+    int64_t n_thaw;          // tokens thawed so far (back into a layer cache)
+    int64_t n_evict;         // tokens moved to the host tier by the budget's eviction
+    int64_t n_dropped;       // tokens dropped for good from the host tier (its limit)
+    int32_t n_steps;         // decode steps the freeze schedule has run
+    double  t_ms;            // time spent deciding and moving tokens (ms)
+};
+
+// counters of the host tier over all layers; returns 0, or -1 if the policy has no host tier
+int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out);
+
+// the tokens of KV layer ikv in the host tier: positions and timers (0: cold, > 0: decode steps until it thaws);
+// returns their count (the first n_max are written; either output may be NULL)
+int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max);
+
+// moves every token of the host tier back into the layer caches as far as their cells allow (a budget's eviction
+// may send some back at the next step) and clears the freeze counts; returns the tokens thawed
+int32_t llama_kvp_host_thaw_all(struct llama_context * ctx);
+
+// raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types (k_out, v_out may be NULL; each
+// must hold the count a call with NULL outputs returns); returns the K bytes + V bytes, 0 if no cell holds pos, -1
+// on error
+int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out);
 
 // cffi-end
 

@@ -9,10 +9,12 @@ from .budget_entropy import EntropyBudget
 from .budget_pyramid import PyramidBudget
 from .budget_uniform import UniformBudget
 from .fate_drop import DropFate
+from .fate_host import HostFate
 from .fate_summarise import SummariseFate
 from .prefill_dense import DensePrefill
 from .prefill_sparse import SparsePrefill
 from .schedule_every import EverySchedule
+from .schedule_freeze import FreezeSchedule
 from .schedule_prompt import PromptSchedule
 from .score_accumulated import AccumulatedScore
 from .score_recency import RecencyScore
@@ -21,7 +23,8 @@ from .score_window import WindowScore
 STAGES: Dict[str, Type[Stage]] = {
     cls.name: cls
     for cls in (UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
-                PromptSchedule, EverySchedule, DropFate, SummariseFate, DensePrefill, SparsePrefill)
+                PromptSchedule, EverySchedule, FreezeSchedule, DropFate, SummariseFate, HostFate, DensePrefill,
+                SparsePrefill)
 }
 
 __all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES"]

@@ -307,7 +307,7 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
 // the per-layer bin
 //
 
-struct llama_kvp_summarise_state : llama_kvp_fate_state {
+struct llama_kvp_summarise_state : llama_kvp_layer_state {
     std::vector<llama_pos> pos;    // pending tokens, in the order they left
     std::vector<float>     score;  // their eviction scores
     std::vector<float>     k;      // their K rows (f32, n_embd_k_gqa each)

@@ -1,0 +1,182 @@
+"""The host tier and the soft freeze against the full cache, in one run.
+
+(a) ASR-KF-EGR's setting: a long greedy generation from an open prompt. The full cache generates it; every policy is
+then fed the same tokens one decode step at a time (teacher forcing, the work of a generation): active KV tokens and
+bytes (mean over the steps and at the end), host-tier bytes, wall time against the full cache, streamed next-token
+KL and top-1 against it, and the policy's own free greedy run (tokens equal to the full cache's).
+(b) Passkeys (needles in the essays) at `--needle-lengths` with a 10% active budget: the full cache, plain eviction,
+eviction into the host tier with the freeze on top, and the freeze alone.
+
+    python bench/freeze.py -n 500 -o docs/results/freeze.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from pykvcache import Llama
+from pykvcache._native import native
+from pykvcache.corpus import essays
+from pykvcache.evaluate import log_softmax, needle_cases
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparse_prefill import cpu_name  # noqa: E402
+
+PROMPT = ("Write a long, detailed story about a lighthouse keeper on a remote island who finds a message in a bottle. "
+          "Describe the island, the storms, the people she writes to, and how the message changes her life.\n\n")
+
+
+def logits(llm: Llama) -> np.ndarray:
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+
+
+def active_tokens(llm: Llama) -> int:
+    """Tokens the layer caches hold now (for the full cache: tokens x layers)."""
+    ffi, lib = native()
+    info = ffi.new("struct llama_kvp_memory_info *")
+    lib.llama_kvp_memory_info(llm._ctx.ctx, info)
+    return int(info.n_active) if info.per_layer else llm.n_tokens * len(llm.kv_stats().layers)
+
+
+def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, prompt: List[int],
+                    ref: Optional[List[int]], n_gen: int) -> Dict[str, Any]:
+    """Teacher-forced pass over ref (or a greedy run when ref is None): log-probs, active tokens per step, time."""
+    kw: Dict[str, Any] = {"model_path": model} if model else {}
+    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, verbose=False, **kw)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t_prompt = time.perf_counter() - t0
+    lp, active, toks = [], [], []
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        x = logits(llm)
+        lp.append(log_softmax(x).astype(np.float32))
+        tok = int(np.argmax(x)) if ref is None else ref[i]
+        toks.append(tok)
+        llm.eval([tok])
+        active.append(active_tokens(llm))
+    t_gen = time.perf_counter() - t0
+    stats = llm.kv_stats()
+    per_tok = [(s.k_bytes + s.v_bytes) // max(s.n_cells, 1) for s in stats.layers]
+    mem = llm.kv_memory()
+    row: Dict[str, Any] = {
+        "spec": llm.kv_policy.spec() if llm.kv_policy is not None else "none",
+        "prompt_s": t_prompt, "gen_s": t_gen, "ms_per_token": 1e3 * t_gen / n_gen,
+        "active_mean": float(np.mean(active)), "active_final": int(active[-1]),
+        "tokens_final": llm.n_tokens * len(stats.layers),
+        "active_bytes_final": int(active[-1] * np.mean(per_tok)),
+        "allocated_bytes": int(mem.bytes), "host_bytes_final": int(mem.host_bytes),
+        "host_bytes_peak": int(mem.host_bytes_peak),
+        "active_trace": active,
+    }
+    if spec and "freeze" in row["spec"]:
+        h = llm.kv_host()
+        row.update(n_freeze=h.n_freeze, n_thaw=h.n_thaw, n_dropped=h.n_dropped, host_ms=h.t_ms)
+    llm.close()
+    return {"row": row, "logprobs": lp, "tokens": toks}
+
+
+def compare(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:
+    a = np.stack(ref).astype(np.float64)
+    b = np.stack(got).astype(np.float64)
+    kl = (np.exp(a) * (a - b)).sum(axis=-1)
+    return {"kl_mean": float(max(kl.mean(), 0.0)), "kl_p95": float(max(np.percentile(kl, 95), 0.0)),
+            "top1": float((a.argmax(-1) == b.argmax(-1)).mean())}
+
+
+def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
+    kw: Dict[str, Any] = {"model_path": model} if model else {}
+    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, verbose=False, **kw)
+    hits, active = [], []
+    for c in cases:
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        llm.eval(c["tokens"])
+        out = []
+        for _ in range(c["n_answer"]):
+            tok = int(np.argmax(logits(llm)))
+            out.append(tok)
+            llm.eval([tok])
+        hits.append(c["answer"] in llm.detokenize(out).decode("utf-8", errors="replace"))
+        active.append(active_tokens(llm) / (llm.n_tokens * len(llm.kv_stats().layers)))
+    llm.close()
+    return {"spec": spec or "none", "hits": hits, "n_hit": int(sum(hits)), "active_share": float(np.mean(active))}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
+    ap.add_argument("-n", "--n-gen", type=int, default=500, help="tokens generated in (a)")
+    ap.add_argument("--policy", action="append", default=None,
+                    help="policy spec for (a), repeatable (default: freeze and h2o:budget=<context> without freeze)")
+    ap.add_argument("--needle-lengths", default="1536,4096", help="passkey prompt lengths, comma-separated ('' skips b)")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("-o", "--output", default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    import os
+    threads = args.threads or os.cpu_count() or 2
+
+    res: Dict[str, Any] = {"command": "python bench/freeze.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+                           "cpu": cpu_name(), "threads": threads, "n_gen": args.n_gen, "open": [], "passkey": []}
+    tok_llm = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
+    prompt = tok_llm.tokenize(PROMPT.encode())
+    tok_llm.close()
+    n_ctx = len(prompt) + args.n_gen + 64
+    print(f"(a) open generation: {len(prompt)}-token prompt, {args.n_gen} tokens, {res['cpu']}, {threads} threads",
+          file=sys.stderr)
+    full = open_generation(args.model, None, n_ctx, threads, prompt, None, args.n_gen)
+    ref_lp, ref_tok = full["logprobs"], full["tokens"]
+    full["row"].update(kl_mean=0.0, kl_p95=0.0, top1=1.0, x_time=1.0, active_cut=0.0, greedy_equal=args.n_gen)
+    res["open"].append(full["row"])
+    print(f"  none: {full['row']['gen_s']:.1f} s", file=sys.stderr)
+    for spec in args.policy or ["freeze", f"h2o:budget={n_ctx}"]:
+        run = open_generation(args.model, spec, n_ctx, threads, prompt, ref_tok, args.n_gen)
+        row = run["row"]
+        row.update(compare(ref_lp, run["logprobs"]))
+        row["x_time"] = row["gen_s"] / full["row"]["gen_s"]
+        row["active_cut"] = 1.0 - row["active_mean"] / full["row"]["active_mean"]
+        free = open_generation(args.model, spec, n_ctx, threads, prompt, None, args.n_gen)
+        same = [a == b for a, b in zip(free["tokens"], ref_tok)]
+        row["greedy_equal"] = int(sum(same))
+        row["greedy_prefix"] = int(same.index(False)) if False in same else len(same)
+        res["open"].append(row)
+        print(f"  {row['spec']}: {row['gen_s']:.1f} s ({row['x_time']:.2f}x), active -{100 * row['active_cut']:.0f}%, "
+              f"KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, greedy {row['greedy_equal']}/{args.n_gen}",
+              file=sys.stderr)
+
+    lengths = [int(x) for x in args.needle_lengths.split(",") if x.strip()]
+    depths = [float(x) for x in args.depths.split(",")]
+    hay = " ".join(essays())
+    for n in lengths:
+        nl = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
+        cases = needle_cases(nl, hay, n, depths, seed=7)
+        nl.close()
+        b = max(1, int(round(0.1 * n)))
+        for spec in (None, f"h2o:budget={b}", f"h2o:budget={b}+freeze+host", "freeze"):
+            r = passkeys(args.model, spec, n + 64, threads, cases)
+            r["length"] = n
+            res["passkey"].append(r)
+            print(f"(b) {n} tokens {r['spec']}: {r['n_hit']}/{len(cases)}, active share {r['active_share']:.2f}",
+                  file=sys.stderr)
+
+    text = json.dumps(res, indent=1)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

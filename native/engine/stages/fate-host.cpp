@@ -1,0 +1,431 @@
+// fate-host.cpp - fate stage `host` (ASR-KF-EGR's off-accelerator store): a token leaving a layer's cache moves into a
+// host-memory tier of that layer instead of being dropped, and can come back into a free cell unchanged.
+//
+// What moves is the raw bytes of the token's K row and V elements, in the cache's own type (keys are stored after
+// RoPE and positions never change, so a token that comes back is bit for bit the token that left). A token sent by
+// the budget's eviction is cold: it stays until it is thawed by name (llama_kvp_host_thaw_all; latent re-ranking and
+// the recovery ladder will). A token frozen by the `freeze` schedule carries a timer and thaws by itself. The tier
+// holds at most `limit` tokens per layer (0: the context size); past it the coldest are dropped for good: cold tokens
+// before frozen ones, each by lowest score.
+//
+// Moves are batched per layer and call, never one backend call per token: from a cache in host memory the bytes are
+// copied in place; from device memory one read (and for a thaw one write) covers the span of cells involved (the
+// whole tensor for a transposed V).
+
+#include "llama-kvp-impl.h"
+#include "llama-kvp-memory.h"
+#include "llama-kvp-stage.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+//
+// batched access to the cells of a layer cache
+//
+
+// bytes one token takes in a cache tensor (its K row, its V row, or its elements of a transposed V)
+static size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans) {
+    return trans ? (size_t) t->ne[0]*ggml_type_size(t->type) : ggml_row_size(t->type, t->ne[0]);
+}
+
+// the span of bytes of a tensor that covers cells [lo, hi] (the whole tensor when transposed)
+static void llama_kvp_cell_span(const ggml_tensor * t, bool trans, uint32_t lo, uint32_t hi, size_t & off, size_t & len) {
+    if (trans) {
+        off = 0;
+        len = ggml_nbytes(t);
+    } else {
+        off = (size_t) lo*t->nb[1];
+        len = (size_t) (hi - lo)*t->nb[1] + ggml_row_size(t->type, t->ne[0]);
+    }
+}
+
+// copies token i's bytes between a tensor image `base` (which starts at byte `off` of the tensor) and `tok`
+static void llama_kvp_cell_copy(const ggml_tensor * t, bool trans, uint32_t size, uint8_t * base, size_t off, uint32_t idx, uint8_t * tok, bool to_tensor) {
+    if (!trans) {
+        uint8_t * row = base + (size_t) idx*t->nb[1] - off;
+        const size_t nb = ggml_row_size(t->type, t->ne[0]);
+        to_tensor ? memcpy(row, tok, nb) : memcpy(tok, row, nb);
+        return;
+    }
+    const size_t es = ggml_type_size(t->type);
+    for (int64_t e = 0; e < t->ne[0]; ++e) {
+        uint8_t * x = base + ((size_t) e*size + idx)*es - off;
+        to_tensor ? memcpy(x, tok + e*es, es) : memcpy(tok + e*es, x, es);
+    }
+}
+
+void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out) {
+    if (idx.empty()) {
+        return;
+    }
+    const size_t nb = llama_kvp_cell_bytes(t, trans);
+    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
+    size_t off = 0;
+    size_t len = 0;
+    std::vector<uint8_t> buf;
+    uint8_t * base = (uint8_t *) t->data;
+    if (!(t->buffer && ggml_backend_buffer_is_host(t->buffer))) {
+        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
+        buf.resize(len);
+        ggml_backend_tensor_get(t, buf.data(), off, len);
+        base = buf.data();
+    }
+    for (size_t i = 0; i < idx.size(); ++i) {
+        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], out + i*nb, false);
+    }
+}
+
+void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src) {
+    if (idx.empty()) {
+        return;
+    }
+    const size_t nb = llama_kvp_cell_bytes(t, trans);
+    const bool host = t->buffer && ggml_backend_buffer_is_host(t->buffer);
+    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
+    size_t off = 0;
+    size_t len = 0;
+    std::vector<uint8_t> buf;
+    uint8_t * base = (uint8_t *) t->data;
+    if (!host) { // read-modify-write of the span: the cells between hold their own bytes again
+        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
+        buf.resize(len);
+        ggml_backend_tensor_get(t, buf.data(), off, len);
+        base = buf.data();
+    }
+    for (size_t i = 0; i < idx.size(); ++i) {
+        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], (uint8_t *) src + i*nb, true);
+    }
+    if (!host) {
+        ggml_backend_tensor_set(t, buf.data(), off, len);
+    }
+}
+
+//
+// the per-layer tier
+//
+
+struct llama_kvp_host_state : llama_kvp_layer_state {
+    std::vector<llama_pos> pos;
+    std::vector<float>     score; // accumulated attention mass when it left (restored when it comes back)
+    std::vector<int32_t>   timer; // 0: cold; > 0: decode steps until it thaws
+    std::vector<uint8_t>   k;     // row_k bytes per token
+    std::vector<uint8_t>   v;     // row_v bytes per token
+
+    size_t row_k = 0;
+    size_t row_v = 0;
+
+    int64_t n_freeze  = 0;
+    int64_t n_thaw    = 0;
+    int64_t n_evict   = 0;
+    int64_t n_dropped = 0;
+    double  t_ms      = 0.0;
+
+    size_t  size()  const { return pos.size(); }
+    int64_t bytes() const { return (int64_t) (k.size() + v.size()); }
+};
+
+static llama_kvp_host_state & llama_kvp_host_of(llama_kvp_memory & mem, int32_t ikv) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate) {
+        auto S = std::make_unique<llama_kvp_host_state>();
+        const bool v_trans = !mem.cparams.flash_attn; // as the memory made its caches
+        S->row_k = llama_kvp_cell_bytes(llama_kvp_kv_access::layer_k(*L.kv, 0), false);
+        S->row_v = llama_kvp_cell_bytes(llama_kvp_kv_access::layer_v(*L.kv, 0), v_trans);
+        L.fate = std::move(S);
+    }
+    return static_cast<llama_kvp_host_state &>(*L.fate);
+}
+
+// removes the entries at `which` (any order) by moving the last entries into their places
+static void llama_kvp_host_remove(llama_kvp_memory & mem, llama_kvp_host_state & S, std::vector<size_t> which) {
+    std::sort(which.begin(), which.end(), std::greater<size_t>());
+    for (size_t i : which) {
+        const size_t last = S.size() - 1;
+        if (i != last) {
+            S.pos[i]   = S.pos[last];
+            S.score[i] = S.score[last];
+            S.timer[i] = S.timer[last];
+            memcpy(S.k.data() + i*S.row_k, S.k.data() + last*S.row_k, S.row_k);
+            memcpy(S.v.data() + i*S.row_v, S.v.data() + last*S.row_v, S.row_v);
+        }
+        S.pos.pop_back();
+        S.score.pop_back();
+        S.timer.pop_back();
+        S.k.resize(last*S.row_k);
+        S.v.resize(last*S.row_v);
+        mem.host_bytes -= (int64_t) (S.row_k + S.row_v);
+    }
+}
+
+// past the limit, the coldest tokens are dropped for good: cold before frozen, lowest score first
+static void llama_kvp_host_trim(llama_kvp_memory & mem, llama_kvp_host_state & S) {
+    const size_t limit = mem.policy.limit > 0 ? (size_t) mem.policy.limit : (size_t) mem.cparams.n_ctx_seq;
+    if (S.size() <= limit) {
+        return;
+    }
+    std::vector<size_t> ord(S.size());
+    std::iota(ord.begin(), ord.end(), 0);
+    const size_t n_drop = S.size() - limit;
+    std::partial_sort(ord.begin(), ord.begin() + n_drop, ord.end(), [&](size_t a, size_t b) {
+        if ((S.timer[a] == 0) != (S.timer[b] == 0)) {
+            return S.timer[a] == 0;
+        }
+        return S.score[a] != S.score[b] ? S.score[a] < S.score[b] : S.pos[a] < S.pos[b];
+    });
+    ord.resize(n_drop);
+    S.n_dropped += (int64_t) n_drop;
+    llama_kvp_host_remove(mem, S, ord);
+}
+
+// the entries `which` go back into free cells of KV layer ikv (as many as there are); returns how many did
+static uint32_t llama_kvp_host_restore(llama_kvp_memory & mem, int32_t ikv, llama_kvp_host_state & S, const std::vector<size_t> & which) {
+    if (which.empty()) {
+        return 0;
+    }
+    auto & L = mem.layers[ikv];
+    std::vector<llama_pos> pos(which.size());
+    for (size_t i = 0; i < which.size(); ++i) {
+        pos[i] = S.pos[which[i]];
+    }
+    std::vector<int32_t> cell;
+    mem.cells_restore(ikv, pos, cell);
+
+    std::vector<uint32_t> idx;
+    std::vector<size_t>   done;
+    std::vector<uint8_t>  kb;
+    std::vector<uint8_t>  vb;
+    for (size_t i = 0; i < which.size(); ++i) {
+        if (cell[i] < 0) {
+            continue;
+        }
+        const size_t e = which[i];
+        idx.push_back((uint32_t) cell[i]);
+        done.push_back(e);
+        kb.insert(kb.end(), S.k.begin() + e*S.row_k, S.k.begin() + (e + 1)*S.row_k);
+        vb.insert(vb.end(), S.v.begin() + e*S.row_v, S.v.begin() + (e + 1)*S.row_v);
+        if (mem.st) {
+            llama_kvp_obs_cell_set_score(mem.st, ikv, (uint32_t) cell[i], S.pos[e], S.score[e]);
+        }
+    }
+    const uint32_t size = L.kv->get_size();
+    llama_kvp_cells_write(llama_kvp_kv_access::layer_k(*L.kv, 0), false, size, idx, kb.data());
+    llama_kvp_cells_write(llama_kvp_kv_access::layer_v(*L.kv, 0), !mem.cparams.flash_attn, size, idx, vb.data());
+    S.n_thaw += (int64_t) done.size();
+    llama_kvp_host_remove(mem, S, done);
+    return (uint32_t) done.size();
+}
+
+void llama_kvp_host_freeze(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & cells, const std::vector<int32_t> & timers) {
+    if (cells.empty()) {
+        return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    auto & L = mem.layers[ikv];
+    auto & S = llama_kvp_host_of(mem, ikv);
+    const uint32_t size = L.kv->get_size();
+
+    std::vector<uint32_t> idx(cells.size());
+    llama_pos p_min = cells[0].pos;
+    for (size_t i = 0; i < cells.size(); ++i) {
+        idx[i] = cells[i].idx;
+        p_min  = std::min(p_min, cells[i].pos);
+    }
+    const size_t n0 = S.size();
+    S.k.resize((n0 + cells.size())*S.row_k);
+    S.v.resize((n0 + cells.size())*S.row_v);
+    llama_kvp_cells_read(llama_kvp_kv_access::layer_k(*L.kv, 0), false, size, idx, S.k.data() + n0*S.row_k);
+    llama_kvp_cells_read(llama_kvp_kv_access::layer_v(*L.kv, 0), !mem.cparams.flash_attn, size, idx, S.v.data() + n0*S.row_v);
+    for (size_t i = 0; i < cells.size(); ++i) {
+        S.pos.push_back(cells[i].pos);
+        S.score.push_back(cells[i].score);
+        S.timer.push_back(std::max(0, timers[i]));
+        (timers[i] > 0 ? S.n_freeze : S.n_evict)++;
+        mem.cell_free(ikv, cells[i].idx);
+    }
+    mem.host_bytes += (int64_t) (cells.size()*(S.row_k + S.row_v));
+    mem.host_bytes_peak = std::max(mem.host_bytes_peak, mem.host_bytes);
+    // tokens computed from now on do not see these: the exact prefix ends here (as with an eviction)
+    mem.pos_exact = std::min({ mem.pos_exact, mem.pos_end, p_min });
+    llama_kvp_host_trim(mem, S);
+    S.t_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+uint32_t llama_kvp_host_tick(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate) {
+        return 0;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    auto & S = static_cast<llama_kvp_host_state &>(*L.fate);
+    std::vector<size_t> due; // timers that reach 0 now; they keep 1 while no cell is free for them
+    for (size_t i = 0; i < S.size(); ++i) {
+        if (S.timer[i] == 1) {
+            due.push_back(i);
+        } else if (S.timer[i] > 1) {
+            S.timer[i]--;
+        }
+    }
+    std::sort(due.begin(), due.end(), [&](size_t a, size_t b) { return S.score[a] > S.score[b]; });
+    due.resize(std::min<size_t>(due.size(), n_room));
+    const uint32_t res = llama_kvp_host_restore(mem, ikv, S, due);
+    S.t_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return res;
+}
+
+uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate) {
+        return 0;
+    }
+    auto & S = static_cast<llama_kvp_host_state &>(*L.fate);
+    std::vector<size_t> ord(S.size());
+    std::iota(ord.begin(), ord.end(), 0);
+    std::sort(ord.begin(), ord.end(), [&](size_t a, size_t b) {
+        if ((S.timer[a] > 0) != (S.timer[b] > 0)) {
+            return S.timer[a] > 0;
+        }
+        return S.score[a] > S.score[b];
+    });
+    ord.resize(std::min<size_t>(ord.size(), n_room));
+    return llama_kvp_host_restore(mem, ikv, S, ord);
+}
+
+bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_host_stats & out,
+                                std::vector<llama_pos> * pos, std::vector<int32_t> * timer) {
+    const auto & L = mem.layers[ikv];
+    out.n_active += (int32_t) llama_kvp_kv_access::n_used(*L.kv);
+    if (!L.fate) {
+        return false;
+    }
+    const auto & S = static_cast<const llama_kvp_host_state &>(*L.fate);
+    out.n_host     += (int32_t) S.size();
+    out.n_frozen   += (int32_t) std::count_if(S.timer.begin(), S.timer.end(), [](int32_t t) { return t > 0; });
+    out.host_bytes += S.bytes();
+    out.n_freeze   += S.n_freeze;
+    out.n_thaw     += S.n_thaw;
+    out.n_evict    += S.n_evict;
+    out.n_dropped  += S.n_dropped;
+    out.t_ms       += S.t_ms;
+    if (pos) {
+        pos->insert(pos->end(), S.pos.begin(), S.pos.end());
+    }
+    if (timer) {
+        timer->insert(timer->end(), S.timer.begin(), S.timer.end());
+    }
+    return true;
+}
+
+//
+// the stage
+//
+
+struct llama_kvp_fate_host : llama_kvp_fate_stage {
+    llama_kvp_fate_host() : llama_kvp_fate_stage(LLAMA_KVP_FATE_HOST, LLAMA_KVP_SLOT_FATE, "host", "limit",
+            "leaving tokens move to a host-memory tier of at most `limit` tokens per layer (0: the context), from which they can come back") {}
+
+    void defaults(llama_kvp_policy & p) const override {
+        p.limit = 0;
+    }
+
+    std::string check(const llama_kvp_policy & p) const override {
+        char buf[192];
+        if (!llama_kvp_budget_of(p)) {
+            return "host needs a retention policy (a budget stage): without one no token leaves the cache";
+        }
+        if (p.limit < 0) {
+            snprintf(buf, sizeof(buf), "limit must be >= 0 tokens per layer (got %d; 0 = the context size)", p.limit);
+            return buf;
+        }
+        if (p.limit > 0 && p.budget >= 1.0f && p.budget != LLAMA_KVP_BUDGET_ALL && (float) p.limit < p.budget) {
+            snprintf(buf, sizeof(buf), "limit (%d) must be 0 (the context size) or at least the budget (%g tokens): "
+                    "the host tier must be able to hold a layer's frozen tokens", p.limit, (double) p.budget);
+            return buf;
+        }
+        return "";
+    }
+
+    void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const override {
+        llama_kvp_host_freeze(mem, ikv, leaving, std::vector<int32_t>(leaving.size(), 0));
+    }
+
+    // n, bytes per K and V token, then per token (pos, score, timer), then the K and the V bytes
+    void state_write(const llama_kvp_memory & mem, int32_t ikv, std::vector<uint8_t> & out) const override {
+        const auto & L = mem.layers[ikv];
+        if (!L.fate) {
+            return;
+        }
+        const auto & S = static_cast<const llama_kvp_host_state &>(*L.fate);
+        const uint32_t hdr[3] = { (uint32_t) S.size(), (uint32_t) S.row_k, (uint32_t) S.row_v };
+        auto put = [&](const void * x, size_t n) { out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n); };
+        put(hdr, sizeof(hdr));
+        for (size_t i = 0; i < S.size(); ++i) {
+            put(&S.pos[i],   sizeof(int32_t));
+            put(&S.score[i], sizeof(float));
+            put(&S.timer[i], sizeof(int32_t));
+        }
+        put(S.k.data(), S.k.size());
+        put(S.v.data(), S.v.size());
+    }
+
+    void state_read(llama_kvp_memory & mem, int32_t ikv, const std::vector<uint8_t> & in) const override {
+        if (in.empty()) {
+            return;
+        }
+        auto & S = llama_kvp_host_of(mem, ikv);
+        uint32_t hdr[3] = {};
+        if (in.size() < sizeof(hdr)) {
+            throw std::runtime_error("pykvcache: corrupt host tier in the state");
+        }
+        memcpy(hdr, in.data(), sizeof(hdr));
+        if (hdr[1] != S.row_k || hdr[2] != S.row_v) {
+            throw std::runtime_error("pykvcache: the host tier in this state was saved with other K/V types or sizes");
+        }
+        const size_t n = hdr[0];
+        if (in.size() != sizeof(hdr) + n*(12 + S.row_k + S.row_v)) {
+            throw std::runtime_error("pykvcache: corrupt host tier in the state");
+        }
+        const uint8_t * x = in.data() + sizeof(hdr);
+        S.pos.resize(n);
+        S.score.resize(n);
+        S.timer.resize(n);
+        for (size_t i = 0; i < n; ++i, x += 12) {
+            memcpy(&S.pos[i],   x,     4);
+            memcpy(&S.score[i], x + 4, 4);
+            memcpy(&S.timer[i], x + 8, 4);
+            if (S.pos[i] < 0 || S.timer[i] < 0) {
+                throw std::runtime_error("pykvcache: corrupt host tier in the state");
+            }
+        }
+        S.k.assign(x, x + n*S.row_k);
+        x += n*S.row_k;
+        S.v.assign(x, x + n*S.row_v);
+        mem.host_bytes += S.bytes();
+        mem.host_bytes_peak = std::max(mem.host_bytes_peak, mem.host_bytes);
+    }
+
+    void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const override {
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            auto & L = mem.layers[ikv];
+            if (!L.fate) {
+                continue;
+            }
+            auto & S = static_cast<llama_kvp_host_state &>(*L.fate);
+            std::vector<size_t> gone;
+            for (size_t i = 0; i < S.size(); ++i) {
+                if (S.pos[i] >= p0 && (p1 < 0 || S.pos[i] < p1)) {
+                    gone.push_back(i);
+                }
+            }
+            llama_kvp_host_remove(mem, S, gone);
+        }
+    }
+};
+
+const llama_kvp_stage * llama_kvp_stage_fate_host() {
+    static const llama_kvp_fate_host stage;
+    return &stage;
+}

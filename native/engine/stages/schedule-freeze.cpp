@@ -1,0 +1,189 @@
+// schedule-freeze.cpp - schedule stage `freeze` (ASR-KF-EGR §3.2-3.5, the soft rolling freeze): every decode step
+// observes, and before the next step each layer freezes the tokens of persistently low relevance into its host tier
+// for a time that grows as the square root of how often they were found low.
+//
+// For each token a layer holds, outside the tokens the score stage protects (sinks and recent window: the paper's
+// K = 32 is H2O's n_recent), the relevance is its head-mean attention probability for the step's query (the
+// observation's mass; with the window-1 scoring of `h2o` and `freeze` that is the current query). The paper uses
+// mean_h |q.k_j|; the probability is what the observation computes anyway (no second pass over K), it is what
+// decides a token's share of the attention output, and with tau relative to the uniform share 1/n it needs no
+// per-layer scale: a token is low when its mass < tau/n, n the tokens the query attended. A low step adds one to
+// its count c_j, counted over the last `hist` decode steps; a low token with d_j = floor(sqrt(c_j)/k) > 0 freezes
+// for d_j steps (its cell is freed, its K/V wait in the host tier) and thaws by itself when its timer runs out.
+// The count is not refreshed while a token is frozen, so a token that stays irrelevant spends d/(d+1) of its time
+// frozen, d growing slowly.
+
+#include "llama-kvp-impl.h"
+#include "llama-kvp-memory.h"
+#include "llama-kvp-stage.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+struct llama_kvp_freeze_state : llama_kvp_layer_state {
+    std::vector<int32_t>  t_last; // by position: the step of its last count update (-1: none)
+    std::vector<uint64_t> bits;   // by position: hist/64 words; bit t % hist is set if it was low at step t
+    int32_t n_words = 0;
+    int32_t n_obs   = -1; // the observation the last step used (each is used once)
+    int32_t n_steps = 0;  // decode steps so far
+
+    // the count of low steps of position p in (t - hist, t], after recording step t as low or not
+    int32_t update(llama_pos p, int32_t t, bool low, int32_t hist) {
+        if ((size_t) p >= t_last.size()) {
+            t_last.resize((size_t) p + 1, -1);
+            bits.resize(t_last.size()*n_words, 0);
+        }
+        uint64_t * w = bits.data() + (size_t) p*n_words;
+        const int32_t t0 = t_last[p];
+        if (t0 < 0 || t - t0 >= hist) {
+            std::fill(w, w + n_words, 0);
+        } else {
+            for (int32_t s = t0 + 1; s <= t; ++s) { // the steps it was not observed (frozen) count as not low
+                w[(s % hist)/64] &= ~(1ULL << ((s % hist) % 64));
+            }
+        }
+        if (low) {
+            w[(t % hist)/64] |= 1ULL << ((t % hist) % 64);
+        }
+        t_last[p] = t;
+        int32_t c = 0;
+        for (int32_t i = 0; i < n_words; ++i) {
+            c += __builtin_popcountll(w[i]);
+        }
+        return c;
+    }
+};
+
+static llama_kvp_freeze_state & llama_kvp_freeze_of(llama_kvp_mem_layer & L, int32_t hist) {
+    if (!L.sched) {
+        auto S = std::make_unique<llama_kvp_freeze_state>();
+        S->n_words = hist/64;
+        L.sched = std::move(S);
+    }
+    return static_cast<llama_kvp_freeze_state &>(*L.sched);
+}
+
+struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
+    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist",
+            "observe every decode step; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) steps") {}
+
+    void defaults(llama_kvp_policy & p) const override {
+        p.tau  = 0.5f;
+        p.k    = 2;
+        p.hist = 128;
+    }
+
+    std::string check(const llama_kvp_policy & p) const override {
+        char buf[192];
+        if (!std::isfinite(p.tau) || p.tau < 0.0f) {
+            snprintf(buf, sizeof(buf), "tau must be >= 0 (got %g; a token is low when its attention is below tau/n)", (double) p.tau);
+            return buf;
+        }
+        if (p.k < 1) {
+            snprintf(buf, sizeof(buf), "k must be >= 1 (got %d; a token freezes for floor(sqrt(c)/k) steps)", p.k);
+            return buf;
+        }
+        if (p.hist < 64 || p.hist > 4096 || p.hist % 64 != 0) {
+            snprintf(buf, sizeof(buf), "hist must be a multiple of 64 in [64, 4096] decode steps (got %d)", p.hist);
+            return buf;
+        }
+        const auto * fate = llama_kvp_fate_of(p);
+        if (!fate || fate->id != LLAMA_KVP_FATE_HOST) {
+            return std::string("freeze needs the host fate (+host): frozen tokens wait in the host tier (fate here: ") +
+                   (fate ? fate->name : "none") + ")";
+        }
+        return "";
+    }
+
+    bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const override {
+        (void) p; (void) n_decode;
+        return true;
+    }
+
+    void before_step(llama_kvp_memory & mem) const override {
+        llama_kvp_context * st = mem.st;
+        if (!st) {
+            return;
+        }
+        llama_kvp_sync(st); // the caches are read and written below
+        const llama_kvp_policy & p = mem.policy;
+        std::vector<float> mass;
+        std::vector<float> acc;
+        std::vector<llama_pos> obs_pos;
+        std::vector<llama_pos> acc_pos;
+        std::vector<llama_kvp_cell> cells;
+        std::vector<int32_t> timers;
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            auto & L = mem.layers[ikv];
+            auto & S = llama_kvp_freeze_of(L, p.hist);
+            const int32_t t = S.n_steps++;
+
+            // a step passes for the frozen tokens: those due thaw into the cells the budget allows
+            llama_kvp_host_tick(mem, ikv, mem.n_room(ikv, 1));
+
+            // the last observation, once: the relevance of each token it saw
+            if (S.n_obs == st->n_obs) {
+                continue;
+            }
+            S.n_obs = st->n_obs;
+            const int32_t n_kv = llama_kvp_obs_layer_mass(st, ikv, mass, obs_pos);
+            int32_t n_seen = 0;
+            for (int32_t j = 0; j < n_kv; ++j) {
+                n_seen += obs_pos[j] >= 0;
+            }
+            if (n_seen == 0) {
+                continue;
+            }
+            uint32_t n_sink   = 0;
+            uint32_t n_recent = 0;
+            mem.stage_score->protect(p, L.budget, n_sink, n_recent);
+            const llama_pos p_recent = mem.pos_end - (llama_pos) n_recent;
+            const float thr = p.tau/(float) n_seen;
+
+            llama_kvp_obs_layer_scores(st, ikv, acc, acc_pos);
+            cells.clear();
+            timers.clear();
+            for (int32_t j = 0; j < n_kv; ++j) {
+                const llama_pos pj = llama_kvp_kv_access::cell_pos(*L.kv, (uint32_t) j);
+                if (pj < 0 || pj != obs_pos[j] || pj < (llama_pos) n_sink || pj >= p_recent) {
+                    continue; // empty, a different token since, or protected
+                }
+                const bool    low = mass[j] < thr;
+                const int32_t c   = S.update(pj, t, low, p.hist);
+                const int32_t d   = (int32_t) std::floor(std::sqrt((double) c)/p.k);
+                if (low && d > 0) {
+                    cells.push_back({ pj, (uint32_t) j, acc_pos[j] == pj ? acc[j] : 0.0f });
+                    timers.push_back(d);
+                }
+            }
+            llama_kvp_host_freeze(mem, ikv, cells, timers);
+        }
+    }
+
+    void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const override {
+        for (auto & L : mem.layers) {
+            if (!L.sched) {
+                continue;
+            }
+            auto & S = static_cast<llama_kvp_freeze_state &>(*L.sched);
+            const size_t n  = S.t_last.size();
+            const size_t a  = (size_t) std::max<llama_pos>(p0, 0);
+            const size_t b  = p1 < 0 ? n : std::min(n, (size_t) p1);
+            for (size_t i = a; i < b; ++i) {
+                S.t_last[i] = -1;
+            }
+            if (p0 <= 0 && p1 < 0) {
+                S.t_last.clear();
+                S.bits.clear();
+                S.n_steps = 0;
+                S.n_obs   = -1;
+            }
+        }
+    }
+};
+
+const llama_kvp_stage * llama_kvp_stage_schedule_freeze() {
+    static const llama_kvp_schedule_freeze stage;
+    return &stage;
+}

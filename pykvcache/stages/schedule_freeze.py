@@ -1,0 +1,22 @@
+"""Schedule stage `freeze` (native/engine/stages/schedule-freeze.cpp)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from ..policies import Stage
+
+
+@dataclass(frozen=True)
+class FreezeSchedule(Stage):
+    """Every decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended) on c of
+    the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) steps, then thaws (ASR-KF soft freeze).
+    Needs the host fate: `H2O(budget=0.1) + HostFate() + FreezeSchedule()` (the host tier first)."""
+
+    name: ClassVar[str] = "freeze"
+    slot: ClassVar[str] = "schedule"
+
+    tau: Optional[float] = None
+    k: Optional[int] = None
+    hist: Optional[int] = None

@@ -1,0 +1,167 @@
+"""Host tier and soft freeze (fate stage `host`, schedule stage `freeze`, preset `freeze`): bad input, tokens that
+leave and come back bit for bit, bounded host memory, eviction into the host tier, telemetry that adds up, and a
+saved state that holds both tiers; all on the real model."""
+
+import numpy as np
+import pytest
+
+from pykvcache import H2O, Composed, FreezeSchedule, HostFate, HostTelemetry, Llama, PolicyError, parse_policy
+from pykvcache.corpus import essays
+
+N_CTX = 1024
+PROMPT = ("Write a long and detailed story about a lighthouse keeper who finds a message in a bottle, "
+          "and what she does in the weeks after.")
+
+
+def make(model_path, policy, flash_attn=True, n_ctx=N_CTX):
+    return Llama(model_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, kv_policy=policy, flash_attn=flash_attn,
+                 verbose=False)
+
+
+def generate(llm, n, prompt=PROMPT):
+    """Greedy decode of n tokens after the prompt, one decode step per token; returns the tokens."""
+    llm.eval(llm.tokenize(prompt.encode()))
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def row_bytes(llm):
+    """K+V bytes of one token in each layer's cache."""
+    return [(s.k_bytes + s.v_bytes) // s.n_cells for s in llm.kv_stats().layers]
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("h2o+freeze", "freeze needs the host fate (+host)"),
+    ("freeze+drop", "freeze needs the host fate (+host)"),
+    ("freeze:tau=-1", "tau must be >= 0"),
+    ("freeze:k=0", "k must be >= 1"),
+    ("freeze:hist=100", "hist must be a multiple of 64"),
+    ("freeze:limit=-1", "limit must be >= 0"),
+    ("h2o:budget=200+host:limit=50", "limit (50) must be 0 (the context size) or at least the budget"),
+    ("sink_recent+freeze+host", "needs a score stage that observes"),
+    ("freeze:budget=0.1", "unknown key 'budget'"),
+])
+def test_bad_specs(spec, msg):
+    with pytest.raises(PolicyError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        parse_policy(spec)
+
+
+def test_composition_round_trips():
+    p = parse_policy("freeze")
+    assert p.spec() == "freeze:n_recent=32,chunk=128,tau=0.5,k=2,hist=128,limit=0"
+    # a stage is added to a policy that can run it: the host tier first, then the freeze that needs it
+    composed = H2O(budget=0.1) + HostFate(limit=4096) + FreezeSchedule(tau=1.0)
+    assert Composed(H2O(budget=0.1), (FreezeSchedule(tau=1.0), HostFate(limit=4096))).spec() == composed.spec()
+    with pytest.raises(PolicyError, match="needs the host fate"):
+        H2O(budget=0.1) + FreezeSchedule()
+    q = parse_policy(composed.spec())
+    assert q.spec() == composed.spec()
+    assert q.describe()["stages"] == {"budget": "uniform", "score": "accumulated", "schedule": "freeze",
+                                      "fate": "host", "prefill": "dense"}
+    assert parse_policy(q.spec()).spec() == q.spec()
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_frozen_tokens_come_back_unchanged(model_path, flash_attn):
+    llm = make(model_path, "freeze:tau=2,k=1", flash_attn=flash_attn)
+    prompt = llm.tokenize(PROMPT.encode())
+    llm.eval(prompt)
+    layers = [0, 11, 29]
+    before = {(s, p): llm.kv_cell_bytes(s, p) for s in layers for p in range(4, len(prompt) - 1)}
+    assert all(v is not None for v in before.values())
+    ever_frozen = np.zeros((30, len(prompt)), bool)
+    for _ in range(60):
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        llm.eval([tok])
+        ever_frozen |= llm.kv_host().state[:, :len(prompt)] == HostTelemetry.FROZEN
+    # the test can fail: prompt tokens of the checked layers did leave their caches
+    assert ever_frozen[layers].sum() > 20
+    h = llm.kv_host()
+    assert h.n_freeze > 0 and h.n_thaw > 0 and h.n_dropped == 0
+    n_host = h.n_host
+    assert n_host > 0
+    assert llm.kv_thaw_all() == n_host
+    assert llm.kv_host().n_host == 0
+    assert llm.kv_memory().n_active == 30 * llm.n_tokens  # every token of every layer is back
+    for key, (k, v) in before.items():
+        assert llm.kv_cell_bytes(*key) == (k, v), key
+
+
+def test_freeze_cuts_active_tokens_and_accounts_for_every_token(model_path):
+    llm = make(model_path, "freeze")
+    generate(llm, 120)
+    h = llm.kv_host()
+    mem = llm.kv_memory()
+    n_tok = llm.n_tokens
+    n_layer = h.state.shape[0]
+    assert h.n_active == mem.n_active
+    assert h.n_active + h.n_host == n_layer * n_tok  # nothing dropped: every token is active or frozen
+    assert h.n_active < 0.8 * n_layer * n_tok
+    assert h.n_frozen == h.n_host and h.n_evict == 0
+    assert h.host_bytes == mem.host_bytes > 0
+    assert mem.host_bytes_peak >= mem.host_bytes
+    # host bytes are the frozen tokens' raw cache bytes
+    counts = [(h.state[s] == HostTelemetry.FROZEN).sum() for s in range(n_layer)]
+    assert h.host_bytes == sum(c * b for c, b in zip(counts, row_bytes(llm)))
+    assert (h.state == HostTelemetry.ACTIVE).sum() == h.n_active
+    # the recent window never freezes
+    assert (h.state[:, n_tok - 32:] == HostTelemetry.ACTIVE).all()
+
+
+def test_host_limit_drops_the_coldest(model_path):
+    llm = make(model_path, "freeze:tau=2,k=1,limit=48")
+    generate(llm, 60)
+    h = llm.kv_host()
+    assert h.n_dropped > 0
+    per_layer = [(h.state[s] >= HostTelemetry.FROZEN).sum() for s in range(h.state.shape[0])]
+    assert max(per_layer) <= 48
+    assert (h.state == HostTelemetry.DROPPED).sum() > 0
+
+
+def test_eviction_into_the_host_tier_changes_nothing_else(model_path):
+    text = " ".join(essays()[0].split())
+    toks = None
+    logits = []
+    for spec in ("h2o:budget=96", "h2o:budget=96+host"):
+        llm = make(model_path, spec)
+        toks = toks or llm.tokenize(text.encode())[:400]
+        llm.eval(toks)
+        out = [np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()]
+        for t in toks[:8]:
+            llm.eval([t])
+            out.append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
+        logits.append(np.stack(out))
+        if spec.endswith("+host"):
+            h = llm.kv_host()
+            assert h.n_evict == llm.kv_memory().n_evicted > 0
+            assert h.n_host == h.n_evict and h.n_frozen == 0
+            assert (h.state == HostTelemetry.COLD).sum() == h.n_host
+            assert llm.kv_memory().host_bytes == h.host_bytes > 0
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_state_holds_both_tiers(model_path):
+    llm = make(model_path, "freeze:tau=2,k=1")
+    generate(llm, 40)
+    h = llm.kv_host()
+    assert h.n_host > 0
+    data = llm.save_state()
+    other = make(model_path, "freeze:tau=2,k=1")
+    other.load_state(data)
+    g = other.kv_host()
+    assert g.n_host == h.n_host and g.host_bytes == h.host_bytes
+    np.testing.assert_array_equal(g.state, h.state)
+    assert other.kv_thaw_all() == llm.kv_thaw_all() == h.n_host
+    for s in (0, 29):
+        for p in range(0, llm.n_tokens, 7):
+            assert other.kv_cell_bytes(s, p) == llm.kv_cell_bytes(s, p)
+
+
+def test_host_telemetry_needs_a_host_tier(model_path):
+    llm = make(model_path, "h2o:budget=96")
+    with pytest.raises(PolicyError, match="no host tier"):
+        llm.kv_host()
