@@ -6,6 +6,9 @@ bytes (mean over the steps and at the end), host-tier bytes, wall time against t
 KL and top-1 against it, and the policy's own free greedy run (tokens equal to the full cache's).
 (b) Passkeys (needles in the essays) at `--needle-lengths` with a 10% active budget: the full cache, plain eviction,
 eviction into the host tier with the freeze on top, and the freeze alone.
+(c) Needles whose question arrives in a second turn, after the document was compressed and a first answer generated
+(the compression cannot know the question): each `--turn-policies` policy with and without `+host+latent:gap=1`
+(re-ranking by the question's turn), against the full cache.
 
     python bench/freeze.py -n 500 -o docs/results/freeze.json
 """
@@ -25,7 +28,7 @@ import numpy as np
 from pykvcache import Llama
 from pykvcache._native import native
 from pykvcache.corpus import essays
-from pykvcache.evaluate import log_softmax, needle_cases
+from pykvcache.evaluate import log_softmax, needle_cases, needle_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_prefill import cpu_name  # noqa: E402
@@ -42,7 +45,7 @@ def active_tokens(llm: Llama) -> int:
     """Tokens the layer caches hold now (for the full cache: tokens x layers)."""
     ffi, lib = native()
     info = ffi.new("struct llama_kvp_memory_info *")
-    lib.llama_kvp_memory_info(llm._ctx.ctx, info)
+    lib.llama_kvp_memory_info(llm._native_ctx(), info)
     return int(info.n_active) if info.per_layer else llm.n_tokens * len(llm.kv_stats().layers)
 
 
@@ -85,6 +88,21 @@ def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threa
     return {"row": row, "logprobs": lp, "tokens": toks}
 
 
+def timed(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, prompt: List[int], ref: List[int]) -> float:
+    """Seconds of the decode steps of a teacher-forced pass over ref (the work of a generation), nothing recorded."""
+    kw: Dict[str, Any] = {"model_path": model} if model else {}
+    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, verbose=False, **kw)
+    llm.eval(prompt)
+    t0 = time.perf_counter()
+    for tok in ref:
+        logits(llm)
+        llm.eval([tok])
+    dt = time.perf_counter() - t0
+    llm.close()
+    return dt
+
+
 def compare(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:
     a = np.stack(ref).astype(np.float64)
     b = np.stack(got).astype(np.float64)
@@ -113,6 +131,51 @@ def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int
     return {"spec": spec or "none", "hits": hits, "n_hit": int(sum(hits)), "active_share": float(np.mean(active))}
 
 
+def turn_cases(llm: Llama, hay: str, n_tokens: int, depths: List[float], seed: int) -> List[Dict[str, Any]]:
+    """Documents of about n_tokens tokens with a fact at each depth, a first turn's instruction, the question."""
+    import random
+    rng = random.Random(seed + n_tokens)
+    body_all = llm.tokenize(" ".join(hay.split()).encode(), add_bos=False)
+    first = llm.tokenize(b"\n\nSummarise the text above in one sentence.\n", add_bos=False)
+    cases = []
+    for i, depth in enumerate(depths):
+        fact, ask, answer = needle_text("classic", i, n_tokens, rng)
+        needle = llm.tokenize(fact.encode(), add_bos=False)
+        body = body_all[:n_tokens - 1 - len(needle) - len(first)]
+        k = int(depth * len(body))
+        while 0 < k < len(body) and not llm.detokenize([body[k - 1]]).endswith(b"."):
+            k += 1
+        cases.append({"doc": [llm.token_bos()] + body[:k] + needle + body[k:] + first, "depth": depth,
+                      "question": llm.tokenize(ask.encode(), add_bos=False), "answer": answer})
+    return cases
+
+
+def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, cases: List[Dict[str, Any]],
+                n_first: int = 8) -> Dict[str, Any]:
+    kw: Dict[str, Any] = {"model_path": model} if model else {}
+    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, verbose=False, **kw)
+    hits, promoted = [], []
+    for c in cases:
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        llm.eval(c["doc"])
+        for _ in range(n_first):  # the first turn's answer
+            llm.eval([int(np.argmax(logits(llm)))])
+        llm.eval(c["question"])
+        out = []
+        for _ in range(6):
+            tok = int(np.argmax(logits(llm)))
+            out.append(tok)
+            llm.eval([tok])
+        hits.append(c["answer"] in llm.detokenize(out).decode("utf-8", errors="replace"))
+        if spec and "+host" in llm.kv_policy.spec():
+            promoted.append(llm.kv_host().n_promote)
+    llm.close()
+    return {"spec": spec or "none", "hits": hits, "n_hit": int(sum(hits)),
+            "promoted": promoted}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
@@ -121,6 +184,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="policy spec for (a), repeatable (default: freeze and h2o:budget=<context> without freeze)")
     ap.add_argument("--needle-lengths", default="1536,4096", help="passkey prompt lengths, comma-separated ('' skips b)")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--turn-lengths", default="1536,4096", help="second-turn needle document lengths ('' skips c)")
+    ap.add_argument("--turn-policies", default="snapkv:budget=0.1,entropy:budget=0.1",
+                    help="retention policies of (c), each also run with +host+latent:gap=1")
+    ap.add_argument("--skip-open", action="store_true", help="skip (a)")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="timed passes per policy, interleaved (median)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-o", "--output", default=None, help="JSON results")
     args = ap.parse_args(argv)
@@ -129,35 +197,47 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     res: Dict[str, Any] = {"command": "python bench/freeze.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
                            "cpu": cpu_name(), "threads": threads, "n_gen": args.n_gen, "open": [], "passkey": []}
+    hay = " ".join(essays())
+    depths = [float(x) for x in args.depths.split(",")]
     tok_llm = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
     prompt = tok_llm.tokenize(PROMPT.encode())
     tok_llm.close()
     n_ctx = len(prompt) + args.n_gen + 64
-    print(f"(a) open generation: {len(prompt)}-token prompt, {args.n_gen} tokens, {res['cpu']}, {threads} threads",
-          file=sys.stderr)
-    full = open_generation(args.model, None, n_ctx, threads, prompt, None, args.n_gen)
-    ref_lp, ref_tok = full["logprobs"], full["tokens"]
-    full["row"].update(kl_mean=0.0, kl_p95=0.0, top1=1.0, x_time=1.0, active_cut=0.0, greedy_equal=args.n_gen)
-    res["open"].append(full["row"])
-    print(f"  none: {full['row']['gen_s']:.1f} s", file=sys.stderr)
-    for spec in args.policy or ["freeze", f"h2o:budget={n_ctx}"]:
-        run = open_generation(args.model, spec, n_ctx, threads, prompt, ref_tok, args.n_gen)
-        row = run["row"]
-        row.update(compare(ref_lp, run["logprobs"]))
-        row["x_time"] = row["gen_s"] / full["row"]["gen_s"]
-        row["active_cut"] = 1.0 - row["active_mean"] / full["row"]["active_mean"]
-        free = open_generation(args.model, spec, n_ctx, threads, prompt, None, args.n_gen)
-        same = [a == b for a, b in zip(free["tokens"], ref_tok)]
-        row["greedy_equal"] = int(sum(same))
-        row["greedy_prefix"] = int(same.index(False)) if False in same else len(same)
-        res["open"].append(row)
-        print(f"  {row['spec']}: {row['gen_s']:.1f} s ({row['x_time']:.2f}x), active -{100 * row['active_cut']:.0f}%, "
-              f"KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, greedy {row['greedy_equal']}/{args.n_gen}",
+    if not args.skip_open:
+        print(f"(a) open generation: {len(prompt)}-token prompt, {args.n_gen} tokens, {res['cpu']}, {threads} threads",
               file=sys.stderr)
+        full = open_generation(args.model, None, n_ctx, threads, prompt, None, args.n_gen)
+        ref_lp, ref_tok = full["logprobs"], full["tokens"]
+        full["row"].update(kl_mean=0.0, kl_p95=0.0, top1=1.0, active_cut=0.0, greedy_equal=args.n_gen)
+        res["open"].append(full["row"])
+        for spec in args.policy or ["freeze", f"h2o:budget={n_ctx}"]:
+            run = open_generation(args.model, spec, n_ctx, threads, prompt, ref_tok, args.n_gen)
+            row = run["row"]
+            row.update(compare(ref_lp, run["logprobs"]))
+            row["active_cut"] = 1.0 - row["active_mean"] / full["row"]["active_mean"]
+            free = open_generation(args.model, spec, n_ctx, threads, prompt, None, args.n_gen)
+            same = [a == b for a, b in zip(free["tokens"], ref_tok)]
+            row["greedy_equal"] = int(sum(same))
+            row["greedy_prefix"] = int(same.index(False)) if False in same else len(same)
+            res["open"].append(row)
+            print(f"  {row['spec']}: active -{100 * row['active_cut']:.0f}%, "
+                  f"KL {row['kl_mean']:.4f}, top-1 {row['top1']:.3f}, greedy {row['greedy_equal']}/{args.n_gen} (first {row['greedy_prefix']} equal)",
+                  file=sys.stderr)
+
+        # wall time: interleaved passes of every policy, medians (this machine's noise is +-20% run to run)
+        specs: List[Optional[str]] = [None] + list(args.policy or ["freeze", f"h2o:budget={n_ctx}"])
+        times: Dict[int, List[float]] = {i: [] for i in range(len(specs))}
+        for r in range(args.reps):
+            for i, spec in enumerate(specs):
+                times[i].append(timed(args.model, spec, n_ctx, threads, prompt, ref_tok))
+        for i, row in enumerate(res["open"]):
+            row["gen_s_runs"] = times[i]
+            row["gen_s_median"] = float(np.median(times[i]))
+            row["x_time"] = row["gen_s_median"] / float(np.median(times[0]))
+            print(f"  {row['spec']}: median {row['gen_s_median']:.2f} s over {args.reps} passes, {row['x_time']:.2f}x the full cache",
+                  file=sys.stderr)
 
     lengths = [int(x) for x in args.needle_lengths.split(",") if x.strip()]
-    depths = [float(x) for x in args.depths.split(",")]
-    hay = " ".join(essays())
     for n in lengths:
         nl = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
         cases = needle_cases(nl, hay, n, depths, seed=7)
@@ -169,6 +249,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["passkey"].append(r)
             print(f"(b) {n} tokens {r['spec']}: {r['n_hit']}/{len(cases)}, active share {r['active_share']:.2f}",
                   file=sys.stderr)
+
+    res["turn"] = []
+    for n in [int(x) for x in args.turn_lengths.split(",") if x.strip()]:
+        nl = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
+        cases = turn_cases(nl, hay, n, depths, seed=11)
+        nl.close()
+        specs = [None]
+        for pol in args.turn_policies.split(","):
+            specs += [pol, pol + "+host+latent:gap=1"]
+        for spec in specs:
+            r = second_turn(args.model, spec, n + 128, threads, cases)
+            r["length"] = n
+            res["turn"].append(r)
+            print(f"(c) {n} tokens {r['spec']}: {r['n_hit']}/{len(cases)}, promoted {r['promoted']}", file=sys.stderr)
 
     text = json.dumps(res, indent=1)
     if args.output:

@@ -300,7 +300,7 @@ class Llama(llama_cpp.Llama):
             state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
             host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),
             n_thaw=int(out.n_thaw), n_evict=int(out.n_evict), n_dropped=int(out.n_dropped), n_steps=int(out.n_steps),
-            t_ms=float(out.t_ms))
+            t_ms=float(out.t_ms), n_rerank=int(out.n_rerank), n_promote=int(out.n_promote))
 
     def kv_thaw_all(self) -> int:
         """Move every token of the host tier back into the layer caches (as far as their budgets allow); returns the

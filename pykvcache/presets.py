@@ -143,9 +143,10 @@ class Freeze(RetentionPolicy):
     type_id: ClassVar[int] = 7
 
     n_recent: int = 32
-    tau: float = 0.5
+    tau: float = 0.1
     k: int = 2
     hist: int = 128
+    every: int = 4
     limit: int = 0
     chunk: int = 128
 

@@ -233,6 +233,8 @@ class HostTelemetry:
     n_dropped: int
     n_steps: int
     t_ms: float
+    n_rerank: int = 0
+    n_promote: int = 0
 
     DROPPED: ClassVar[int] = 0
     ACTIVE: ClassVar[int] = 1

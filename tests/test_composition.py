@@ -11,7 +11,7 @@ from conftest import PROSE
 
 from pykvcache import EntropyLayerBudget, H2O, Llama, PolicyError, Pyramid, SinkRecent, SnapKV, parse_policy
 from pykvcache.stages import (STAGES, AccumulatedScore, DensePrefill, DropFate, SummariseFate, SparsePrefill, EntropyBudget, EverySchedule,
-                              FreezeSchedule, HostFate, PromptSchedule, PyramidBudget, RecencyScore, UniformBudget, WindowScore)
+                              FreezeSchedule, HostFate, LatentSchedule, PromptSchedule, PyramidBudget, RecencyScore, UniformBudget, WindowScore)
 
 N_LAYER = 30
 
@@ -84,7 +84,7 @@ def test_every_stage_has_a_python_dataclass_and_a_help_line():
 
     text = policy_help()
     classes = [UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
-               PromptSchedule, EverySchedule, FreezeSchedule, DropFate, SummariseFate, HostFate, DensePrefill,
+               PromptSchedule, EverySchedule, FreezeSchedule, LatentSchedule, DropFate, SummariseFate, HostFate, DensePrefill,
                SparsePrefill]
     assert sorted(c.name for c in classes) == sorted(STAGES)
     for c in classes:

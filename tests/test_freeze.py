@@ -52,7 +52,7 @@ def test_bad_specs(spec, msg):
 
 def test_composition_round_trips():
     p = parse_policy("freeze")
-    assert p.spec() == "freeze:n_recent=32,chunk=128,tau=0.5,k=2,hist=128,limit=0"
+    assert p.spec() == "freeze:every=4,n_recent=32,chunk=128,tau=0.1,k=2,hist=128,limit=0"
     # a stage is added to a policy that can run it: the host tier first, then the freeze that needs it
     composed = H2O(budget=0.1) + HostFate(limit=4096) + FreezeSchedule(tau=1.0)
     assert Composed(H2O(budget=0.1), (FreezeSchedule(tau=1.0), HostFate(limit=4096))).spec() == composed.spec()
@@ -165,3 +165,41 @@ def test_host_telemetry_needs_a_host_tier(model_path):
     llm = make(model_path, "h2o:budget=96")
     with pytest.raises(PolicyError, match="no host tier"):
         llm.kv_host()
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("snapkv:budget=64+latent", "latent needs the host fate (+host)"),
+    ("snapkv:budget=64+host+latent:gap=0", "gap must be >= 1"),
+    ("snapkv:budget=64+host+latent:repeat=2", "repeat must be 0"),
+])
+def test_bad_latent_specs(spec, msg):
+    with pytest.raises(PolicyError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        parse_policy(spec)
+
+
+def test_latent_reranking_brings_back_what_the_question_needs(model_path):
+    """A fact compressed away before its question exists comes back when the question's turn re-ranks."""
+    text = " ".join(essays()[1].split())
+    fact = " The code of the blue locker is 4817."
+    question = "\n\nWhat is the code of the blue locker? The code of the blue locker is"
+    held = {}
+    for spec in ("snapkv:budget=96,guide=0+host", "snapkv:budget=96,guide=0+host+latent:gap=1"):
+        llm = make(model_path, spec)
+        body = llm.tokenize(text.encode())[:500]
+        f = llm.tokenize(fact.encode(), add_bos=False)
+        doc = body[:200] + f + body[200:]
+        llm.eval(doc)                                   # turn 1: the document, compressed to 96 tokens per layer
+        fpos = np.arange(200, 200 + len(f))
+        llm.eval(llm.tokenize(question.encode(), add_bos=False))   # turn 2: the question
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        llm.eval([tok])                                 # the first decode step re-ranks (gap=1)
+        h = llm.kv_host()
+        held[spec] = (h.state[:, fpos] == HostTelemetry.ACTIVE).sum()
+        mem = llm.kv_memory()
+        assert all(b.n_used <= b.budget + 1 for b in mem.layers)
+        assert h.n_active + h.n_host == h.state.shape[0] * llm.n_tokens  # nothing dropped
+        if "latent" in spec:
+            assert h.n_rerank == h.state.shape[0] and h.n_promote > 0
+        else:
+            assert h.n_rerank == 0 and h.n_promote == 0
+    assert held["snapkv:budget=96,guide=0+host+latent:gap=1"] > held["snapkv:budget=96,guide=0+host"]

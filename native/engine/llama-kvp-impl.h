@@ -293,8 +293,8 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
 void llama_kvp_obs_reset(llama_kvp_context * st);
 
 // the valid post-RoPE queries of the observation window of KV layer ikv (synchronizes): q [n][n_head*n_embd_head],
-// head-major within a row; returns n (0 without an observation ring)
-int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q);
+// head-major within a row, and their positions in qpos when not null; returns n (0 without an observation ring)
+int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q, std::vector<llama_pos> * qpos = nullptr);
 
 // cell idx of KV layer ikv now holds pos with this accumulated score (a cell filled by a fate stage)
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);

@@ -72,6 +72,87 @@ public:
 };
 
 //
+// batched access to the cells of a layer cache
+//
+
+// bytes one token takes in a cache tensor (its K row, its V row, or its elements of a transposed V)
+size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans) {
+    return trans ? (size_t) t->ne[0]*ggml_type_size(t->type) : ggml_row_size(t->type, t->ne[0]);
+}
+
+// the span of bytes of a tensor that covers cells [lo, hi] (the whole tensor when transposed)
+static void llama_kvp_cell_span(const ggml_tensor * t, bool trans, uint32_t lo, uint32_t hi, size_t & off, size_t & len) {
+    if (trans) {
+        off = 0;
+        len = ggml_nbytes(t);
+    } else {
+        off = (size_t) lo*t->nb[1];
+        len = (size_t) (hi - lo)*t->nb[1] + ggml_row_size(t->type, t->ne[0]);
+    }
+}
+
+// copies token i's bytes between a tensor image `base` (which starts at byte `off` of the tensor) and `tok`
+static void llama_kvp_cell_copy(const ggml_tensor * t, bool trans, uint32_t size, uint8_t * base, size_t off, uint32_t idx, uint8_t * tok, bool to_tensor) {
+    if (!trans) {
+        uint8_t * row = base + (size_t) idx*t->nb[1] - off;
+        const size_t nb = ggml_row_size(t->type, t->ne[0]);
+        to_tensor ? memcpy(row, tok, nb) : memcpy(tok, row, nb);
+        return;
+    }
+    const size_t es = ggml_type_size(t->type);
+    for (int64_t e = 0; e < t->ne[0]; ++e) {
+        uint8_t * x = base + ((size_t) e*size + idx)*es - off;
+        to_tensor ? memcpy(x, tok + e*es, es) : memcpy(tok + e*es, x, es);
+    }
+}
+
+void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out) {
+    if (idx.empty()) {
+        return;
+    }
+    const size_t nb = llama_kvp_cell_bytes(t, trans);
+    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
+    size_t off = 0;
+    size_t len = 0;
+    std::vector<uint8_t> buf;
+    uint8_t * base = (uint8_t *) t->data;
+    if (!(t->buffer && ggml_backend_buffer_is_host(t->buffer))) {
+        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
+        buf.resize(len);
+        ggml_backend_tensor_get(t, buf.data(), off, len);
+        base = buf.data();
+    }
+    for (size_t i = 0; i < idx.size(); ++i) {
+        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], out + i*nb, false);
+    }
+}
+
+void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src) {
+    if (idx.empty()) {
+        return;
+    }
+    const size_t nb = llama_kvp_cell_bytes(t, trans);
+    const bool host = t->buffer && ggml_backend_buffer_is_host(t->buffer);
+    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
+    size_t off = 0;
+    size_t len = 0;
+    std::vector<uint8_t> buf;
+    uint8_t * base = (uint8_t *) t->data;
+    if (!host) { // read-modify-write of the span: the cells between hold their own bytes again
+        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
+        buf.resize(len);
+        ggml_backend_tensor_get(t, buf.data(), off, len);
+        base = buf.data();
+    }
+    for (size_t i = 0; i < idx.size(); ++i) {
+        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], (uint8_t *) src + i*nb, true);
+    }
+    if (!host) {
+        ggml_backend_tensor_set(t, buf.data(), off, len);
+    }
+}
+
+//
 // llama_kvp_memory
 //
 
@@ -217,8 +298,13 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
     }
 
     // a decode step: the schedule may move tokens between the caches and the host tier first
-    if (n_tokens == 1 && !guiding && stage_schedule) {
-        stage_schedule->before_step(*this);
+    if (n_tokens > 1 || guiding) {
+        n_since_prompt = 0;
+    } else {
+        if (stage_schedule) {
+            stage_schedule->before_step(*this);
+        }
+        n_since_prompt++;
     }
 
     for (int32_t i = 0; i < n; ++i) {
@@ -364,6 +450,55 @@ uint32_t llama_kvp_memory::n_room(int32_t ikv, uint32_t n_tokens) const {
     const uint32_t cap    = L.kv->get_size();
     const uint32_t n_keep = std::min<uint32_t>(L.budget, cap > n_tokens ? cap - n_tokens : 0);
     return n_keep > n_used ? n_keep - n_used : 0;
+}
+
+void llama_kvp_memory::compact(int32_t ikv) {
+    auto & L = layers[ikv];
+    const uint32_t size = L.kv->get_size();
+    std::vector<uint32_t> from;
+    std::vector<uint32_t> to;
+    uint32_t lo = 0;
+    uint32_t hi = size;
+    while (true) {
+        while (lo < size && llama_kvp_kv_access::cell_pos(*L.kv, lo) >= 0) {
+            lo++;
+        }
+        while (hi > 0 && llama_kvp_kv_access::cell_pos(*L.kv, hi - 1) < 0) {
+            hi--;
+        }
+        if (hi == 0 || lo >= hi - 1) {
+            break;
+        }
+        from.push_back(--hi);
+        to.push_back(lo++);
+    }
+    if (from.empty()) {
+        return;
+    }
+    ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+    ggml_tensor * vt = llama_kvp_kv_access::layer_v(*L.kv, 0);
+    const bool v_trans = !cparams.flash_attn;
+    std::vector<uint8_t> kb(from.size()*llama_kvp_cell_bytes(kt, false));
+    std::vector<uint8_t> vb(from.size()*llama_kvp_cell_bytes(vt, v_trans));
+    llama_kvp_cells_read(kt, false,   size, from, kb.data());
+    llama_kvp_cells_read(vt, v_trans, size, from, vb.data());
+    llama_kvp_cells_write(kt, false,   size, to, kb.data());
+    llama_kvp_cells_write(vt, v_trans, size, to, vb.data());
+
+    std::vector<float>     acc;
+    std::vector<llama_pos> obs_pos;
+    if (st) {
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
+    }
+    for (size_t i = 0; i < from.size(); ++i) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, from[i]);
+        llama_kvp_kv_access::cell_rm(*L.kv, from[i]);
+        llama_kvp_kv_access::cell_set(*L.kv, to[i], p);
+        if (st) {
+            const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
+            llama_kvp_obs_cell_set_score(st, ikv, to[i], p, seen ? acc[from[i]] : 0.0f);
+        }
+    }
 }
 
 void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const {

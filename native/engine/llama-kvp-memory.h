@@ -108,6 +108,10 @@ public:
     // idx[i] = the cell, or -1 when none was left
     void cells_restore(int32_t ikv, const std::vector<llama_pos> & pos, std::vector<int32_t> & idx);
 
+    // moves the tokens of the highest cells of KV layer ikv into its lowest free cells, so that its attention spans
+    // as few cells as it holds tokens (a graph attends to every cell up to the last one used)
+    void compact(int32_t ikv);
+
     // free cells of KV layer ikv ahead of a ubatch of n_tokens (what its budget still allows)
     uint32_t n_room(int32_t ikv, uint32_t n_tokens) const;
 
@@ -143,6 +147,8 @@ public:
     int64_t bytes_peak = 0;
     int64_t host_bytes      = 0; // K/V bytes in the host tier (fate stage `host`), all layers
     int64_t host_bytes_peak = 0;
+    int64_t n_rerank        = 0; // latent re-rankings (schedule stage `latent`), per layer
+    int32_t n_since_prompt  = 0; // decode steps since the last prompt ubatch
     int64_t n_evicted  = 0;
     int32_t n_resize   = 0;
     int32_t n_budget   = 0;
@@ -178,6 +184,14 @@ private:
 
     void note_bytes(int64_t extra);
 };
+
+// bytes one token takes in a cache tensor (its K row, its V row, or its elements of a transposed V)
+size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans);
+
+// the bytes of cells idx[i] of a cache tensor (K, V, or a transposed V) to out + i*(bytes per token), and back; one
+// backend read (and write) per call when the tensor is in device memory
+void llama_kvp_cells_read (ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out);
+void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src);
 
 class llama_kvp_memory_context : public llama_memory_context_i {
 public:

@@ -889,9 +889,12 @@ void llama_kvp_obs_reset(llama_kvp_context * st) {
     }
 }
 
-int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q) {
+int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q, std::vector<llama_pos> * qpos) {
     const auto & L = st->layers[ikv];
     q.clear();
+    if (qpos) {
+        qpos->clear();
+    }
     if (!st->observing() || !L.q_ring) {
         return 0;
     }
@@ -904,6 +907,9 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
         }
         q.resize((size_t) (n + 1)*row);
         ggml_backend_tensor_get(L.q_ring, q.data() + (size_t) n*row, (size_t) s*L.q_ring->nb[1], row*sizeof(float));
+        if (qpos) {
+            qpos->push_back(st->slot_pos[s]);
+        }
         n++;
     }
     return n;

@@ -71,6 +71,8 @@ static const llama_kvp_key_info k_keys[] = {
     { "k",          false, offsetof(llama_kvp_policy, k)          },
     { "hist",       false, offsetof(llama_kvp_policy, hist)       },
     { "limit",      false, offsetof(llama_kvp_policy, limit)      },
+    { "gap",        false, offsetof(llama_kvp_policy, gap)        },
+    { "repeat",     false, offsetof(llama_kvp_policy, repeat)     },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
@@ -163,6 +165,8 @@ static llama_kvp_policy llama_kvp_policy_base() {
     llama_kvp_stage_fate_summarise()->defaults(res);
     llama_kvp_stage_schedule_freeze()->defaults(res);
     llama_kvp_stage_fate_host()->defaults(res);
+    res.gap    = 16;
+    res.repeat = 0;
     return res;
 }
 
@@ -205,7 +209,7 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
         return name + ": the budget stage '" + budget->name + "' needs a " + llama_kvp_slot_name(slot) + " stage";
     }
     if (score && score->observes() && !schedule) {
-        return name + ": the score stage '" + score->name + "' needs a schedule stage (prompt, every, freeze)";
+        return name + ": the score stage '" + score->name + "' needs a schedule stage (prompt, every, freeze, latent)";
     }
     if (schedule && !(score && score->observes())) {
         return name + ": the schedule stage '" + schedule->name + "' needs a score stage that observes (window, accumulated)";

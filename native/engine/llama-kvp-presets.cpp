@@ -88,10 +88,10 @@ static void llama_kvp_make_freeze(llama_kvp_policy & p) {
     llama_kvp_set_stages(p, LLAMA_KVP_BUDGET_UNIFORM, LLAMA_KVP_SCORE_ACCUMULATED, LLAMA_KVP_FATE_HOST, LLAMA_KVP_PREFILL_DENSE);
     p.budget     = LLAMA_KVP_BUDGET_ALL; // resolved to the context size
     p.window     = 1;
-    p.every      = 1;
+    p.every      = 4;
     p.n_recent   = 32;
     p.topk_share = 1.0f;
-    p.tau        = 0.5f;
+    p.tau        = 0.1f;
     p.k          = 2;
     p.hist       = 128;
     p.limit      = 0;
@@ -123,7 +123,7 @@ static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,pool,every,decay,chunk,guide",
       "entropy + window (max pooling, sinks, recent) + every + drop + dense guided (Kim & Jung)",
       llama_kvp_make_entropy,     llama_kvp_derive_schedule },
-    { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,limit,chunk",
+    { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,every,limit,chunk",
       "uniform (the whole context) + accumulated + freeze + host + dense (ASR-KF soft rolling freeze)",
       llama_kvp_make_freeze,      llama_kvp_derive_freeze },
 };

@@ -9,7 +9,6 @@
 #include "llama-kvp.h"
 
 #include "llama.h"
-#include "ggml.h"
 
 #include <cstdint>
 #include <string>
@@ -167,6 +166,7 @@ const llama_kvp_stage * llama_kvp_stage_score_accumulated();
 const llama_kvp_stage * llama_kvp_stage_schedule_prompt();
 const llama_kvp_stage * llama_kvp_stage_schedule_every();
 const llama_kvp_stage * llama_kvp_stage_schedule_freeze();
+const llama_kvp_stage * llama_kvp_stage_schedule_latent();
 const llama_kvp_stage * llama_kvp_stage_fate_drop();
 const llama_kvp_stage * llama_kvp_stage_fate_summarise();
 const llama_kvp_stage * llama_kvp_stage_fate_host();
@@ -190,11 +190,6 @@ std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);
 // the host tier (stages/fate-host.cpp), also used by the freeze schedule
 //
 
-// the bytes of cells idx[i] of a cache tensor (K, V, or a transposed V) to out + i*(bytes per token), and back; one
-// backend read (and write) per call when the tensor is in device memory
-void llama_kvp_cells_read (ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out);
-void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src);
-
 // moves the tokens of `cells` (cells of KV layer ikv) into its host tier, each with its timer (0: cold, it stays until
 // thawed by name; > 0: it thaws after that many decode steps); their cells are freed. Reads are batched per call.
 void llama_kvp_host_freeze(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & cells, const std::vector<int32_t> & timers);
@@ -202,6 +197,13 @@ void llama_kvp_host_freeze(llama_kvp_memory & mem, int32_t ikv, const std::vecto
 // one decode step passes for the frozen tokens of KV layer ikv: timers go down by one; tokens at 0 thaw into free
 // cells, at most n_room of them (the others wait a step); returns the tokens thawed
 uint32_t llama_kvp_host_tick(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);
+
+// the tokens of KV layer ikv's host tier: positions and keys as f32 rows of n_embd_k (nothing if it has none)
+void llama_kvp_host_keys(llama_kvp_memory & mem, int32_t ikv, std::vector<llama_pos> & pos, std::vector<float> & k);
+
+// thaws the host tokens of KV layer ikv at positions `pos` (at most n_room) with these scores; returns the count
+uint32_t llama_kvp_host_thaw_pos(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_pos> & pos,
+                                 const std::vector<float> & score, uint32_t n_room);
 
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

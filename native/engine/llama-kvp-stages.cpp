@@ -19,6 +19,7 @@ const std::vector<const llama_kvp_stage *> & llama_kvp_stage_all() {
         llama_kvp_stage_schedule_prompt(),
         llama_kvp_stage_schedule_every(),
         llama_kvp_stage_schedule_freeze(),
+        llama_kvp_stage_schedule_latent(),
         llama_kvp_stage_fate_drop(),
         llama_kvp_stage_fate_summarise(),
         llama_kvp_stage_fate_host(),

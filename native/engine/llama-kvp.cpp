@@ -565,7 +565,8 @@ int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats *
         llama_kvp_host_layer_stats(*mem, i, *out, nullptr, nullptr);
     }
     out->host_bytes_peak = mem->host_bytes_peak;
-    out->n_steps = mem->st ? mem->st->n_decode : 0;
+    out->n_steps  = mem->st ? mem->st->n_decode : 0;
+    out->n_rerank = mem->n_rerank;
     return 0;
 }
 

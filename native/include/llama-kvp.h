@@ -78,6 +78,7 @@ enum llama_kvp_stage_id {
     LLAMA_KVP_SCHEDULE_PROMPT   = 20, // observe prompt batches only
     LLAMA_KVP_SCHEDULE_EVERY    = 21, // also every `every` decode steps
     LLAMA_KVP_SCHEDULE_FREEZE   = 22, // every decode step; tokens of low attention freeze for floor(sqrt(c)/k) steps
+    LLAMA_KVP_SCHEDULE_LATENT   = 23, // as `every`; `gap` tokens after a prompt, active and host tokens re-ranked together
     LLAMA_KVP_FATE_DROP         = 30, // leaving tokens are gone
     LLAMA_KVP_FATE_SUMMARISE    = 31, // leaving tokens are binned, each full bin replaced by `rank` fitted centroid cells
     LLAMA_KVP_FATE_HOST         = 32, // leaving tokens move to a host-memory tier (raw K/V bytes) and can come back
@@ -118,6 +119,8 @@ struct llama_kvp_policy {
     int32_t k;          // freeze: a token of c low-relevance steps freezes for floor(sqrt(c)/k) steps (>= 1)
     int32_t hist;       // freeze: decode steps the low-relevance count c covers (a multiple of 64, <= 4096)
     int32_t limit;      // host: tokens per layer the host tier holds (0 = the context size); past it the coldest are dropped
+    int32_t gap;        // latent: decode steps after a prompt (a chat turn) at which active and host tokens are re-ranked (>= 1)
+    int32_t repeat;     // latent: 1 = re-rank again every `gap` decode steps, 0 = once per prompt
 };
 
 // what a policy is made of (names are static strings)
@@ -329,7 +332,9 @@ struct llama_kvp_host_stats {
     int64_t n_thaw;          // tokens thawed so far (back into a layer cache)
     int64_t n_evict;         // tokens moved to the host tier by the budget's eviction
     int64_t n_dropped;       // tokens dropped for good from the host tier (its limit)
-    int32_t n_steps;         // decode steps the freeze schedule has run
+    int32_t n_steps;         // decode steps since the cache was emptied or restarted
+    int64_t n_rerank;        // latent re-rankings (per layer) so far
+    int64_t n_promote;       // host tokens made active again by a re-ranking
     double  t_ms;            // time spent deciding and moving tokens (ms)
 };
 

@@ -15,6 +15,7 @@ from .prefill_dense import DensePrefill
 from .prefill_sparse import SparsePrefill
 from .schedule_every import EverySchedule
 from .schedule_freeze import FreezeSchedule
+from .schedule_latent import LatentSchedule
 from .schedule_prompt import PromptSchedule
 from .score_accumulated import AccumulatedScore
 from .score_recency import RecencyScore
@@ -23,7 +24,7 @@ from .score_window import WindowScore
 STAGES: Dict[str, Type[Stage]] = {
     cls.name: cls
     for cls in (UniformBudget, PyramidBudget, EntropyBudget, RecencyScore, WindowScore, AccumulatedScore,
-                PromptSchedule, EverySchedule, FreezeSchedule, DropFate, SummariseFate, HostFate, DensePrefill,
+                PromptSchedule, EverySchedule, FreezeSchedule, LatentSchedule, DropFate, SummariseFate, HostFate, DensePrefill,
                 SparsePrefill)
 }
 

@@ -10,8 +10,9 @@ from ..policies import Stage
 
 @dataclass(frozen=True)
 class FreezeSchedule(Stage):
-    """Every decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended) on c of
-    the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) steps, then thaws (ASR-KF soft freeze).
+    """Every `every`-th decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended)
+    on c observations of the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) observation periods,
+    then thaws (ASR-KF soft freeze).
     Needs the host fate: `H2O(budget=0.1) + HostFate() + FreezeSchedule()` (the host tier first)."""
 
     name: ClassVar[str] = "freeze"
@@ -20,3 +21,4 @@ class FreezeSchedule(Stage):
     tau: Optional[float] = None
     k: Optional[int] = None
     hist: Optional[int] = None
+    every: Optional[int] = None

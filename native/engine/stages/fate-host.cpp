@@ -20,89 +20,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <stdexcept>
-
-//
-// batched access to the cells of a layer cache
-//
-
-// bytes one token takes in a cache tensor (its K row, its V row, or its elements of a transposed V)
-static size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans) {
-    return trans ? (size_t) t->ne[0]*ggml_type_size(t->type) : ggml_row_size(t->type, t->ne[0]);
-}
-
-// the span of bytes of a tensor that covers cells [lo, hi] (the whole tensor when transposed)
-static void llama_kvp_cell_span(const ggml_tensor * t, bool trans, uint32_t lo, uint32_t hi, size_t & off, size_t & len) {
-    if (trans) {
-        off = 0;
-        len = ggml_nbytes(t);
-    } else {
-        off = (size_t) lo*t->nb[1];
-        len = (size_t) (hi - lo)*t->nb[1] + ggml_row_size(t->type, t->ne[0]);
-    }
-}
-
-// copies token i's bytes between a tensor image `base` (which starts at byte `off` of the tensor) and `tok`
-static void llama_kvp_cell_copy(const ggml_tensor * t, bool trans, uint32_t size, uint8_t * base, size_t off, uint32_t idx, uint8_t * tok, bool to_tensor) {
-    if (!trans) {
-        uint8_t * row = base + (size_t) idx*t->nb[1] - off;
-        const size_t nb = ggml_row_size(t->type, t->ne[0]);
-        to_tensor ? memcpy(row, tok, nb) : memcpy(tok, row, nb);
-        return;
-    }
-    const size_t es = ggml_type_size(t->type);
-    for (int64_t e = 0; e < t->ne[0]; ++e) {
-        uint8_t * x = base + ((size_t) e*size + idx)*es - off;
-        to_tensor ? memcpy(x, tok + e*es, es) : memcpy(tok + e*es, x, es);
-    }
-}
-
-void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out) {
-    if (idx.empty()) {
-        return;
-    }
-    const size_t nb = llama_kvp_cell_bytes(t, trans);
-    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
-    size_t off = 0;
-    size_t len = 0;
-    std::vector<uint8_t> buf;
-    uint8_t * base = (uint8_t *) t->data;
-    if (!(t->buffer && ggml_backend_buffer_is_host(t->buffer))) {
-        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
-        buf.resize(len);
-        ggml_backend_tensor_get(t, buf.data(), off, len);
-        base = buf.data();
-    }
-    for (size_t i = 0; i < idx.size(); ++i) {
-        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], out + i*nb, false);
-    }
-}
-
-void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, const uint8_t * src) {
-    if (idx.empty()) {
-        return;
-    }
-    const size_t nb = llama_kvp_cell_bytes(t, trans);
-    const bool host = t->buffer && ggml_backend_buffer_is_host(t->buffer);
-    const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
-    size_t off = 0;
-    size_t len = 0;
-    std::vector<uint8_t> buf;
-    uint8_t * base = (uint8_t *) t->data;
-    if (!host) { // read-modify-write of the span: the cells between hold their own bytes again
-        llama_kvp_cell_span(t, trans, *lo, *hi, off, len);
-        buf.resize(len);
-        ggml_backend_tensor_get(t, buf.data(), off, len);
-        base = buf.data();
-    }
-    for (size_t i = 0; i < idx.size(); ++i) {
-        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], (uint8_t *) src + i*nb, true);
-    }
-    if (!host) {
-        ggml_backend_tensor_set(t, buf.data(), off, len);
-    }
-}
 
 //
 // the per-layer tier
@@ -122,6 +42,7 @@ struct llama_kvp_host_state : llama_kvp_layer_state {
     int64_t n_thaw    = 0;
     int64_t n_evict   = 0;
     int64_t n_dropped = 0;
+    int64_t n_promote = 0;
     double  t_ms      = 0.0;
 
     size_t  size()  const { return pos.size(); }
@@ -276,6 +197,48 @@ uint32_t llama_kvp_host_tick(llama_kvp_memory & mem, int32_t ikv, uint32_t n_roo
     return res;
 }
 
+void llama_kvp_host_keys(llama_kvp_memory & mem, int32_t ikv, std::vector<llama_pos> & pos, std::vector<float> & k) {
+    auto & L = mem.layers[ikv];
+    pos.clear();
+    k.clear();
+    if (!L.fate) {
+        return;
+    }
+    const auto & S = static_cast<const llama_kvp_host_state &>(*L.fate);
+    const ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+    const int64_t n_embd_k = kt->ne[0];
+    pos = S.pos;
+    k.resize(S.size()*n_embd_k);
+    const auto * traits = ggml_get_type_traits(kt->type);
+    for (size_t i = 0; i < S.size(); ++i) {
+        traits->to_float(S.k.data() + i*S.row_k, k.data() + i*n_embd_k, n_embd_k);
+    }
+}
+
+uint32_t llama_kvp_host_thaw_pos(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_pos> & pos,
+                                 const std::vector<float> & score, uint32_t n_room) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate || pos.empty()) {
+        return 0;
+    }
+    auto & S = static_cast<llama_kvp_host_state &>(*L.fate);
+    std::map<llama_pos, float> want;
+    for (size_t i = 0; i < pos.size(); ++i) {
+        want[pos[i]] = score[i];
+    }
+    std::vector<size_t> which;
+    for (size_t i = 0; i < S.size() && which.size() < n_room; ++i) {
+        const auto it = want.find(S.pos[i]);
+        if (it != want.end()) {
+            S.score[i] = it->second;
+            which.push_back(i);
+        }
+    }
+    const uint32_t res = llama_kvp_host_restore(mem, ikv, S, which);
+    S.n_promote += res;
+    return res;
+}
+
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
     auto & L = mem.layers[ikv];
     if (!L.fate) {
@@ -309,6 +272,7 @@ bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama
     out.n_thaw     += S.n_thaw;
     out.n_evict    += S.n_evict;
     out.n_dropped  += S.n_dropped;
+    out.n_promote  += S.n_promote;
     out.t_ms       += S.t_ms;
     if (pos) {
         pos->insert(pos->end(), S.pos.begin(), S.pos.end());

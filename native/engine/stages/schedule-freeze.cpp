@@ -1,6 +1,7 @@
-// schedule-freeze.cpp - schedule stage `freeze` (ASR-KF-EGR §3.2-3.5, the soft rolling freeze): every decode step
-// observes, and before the next step each layer freezes the tokens of persistently low relevance into its host tier
-// for a time that grows as the square root of how often they were found low.
+// schedule-freeze.cpp - schedule stage `freeze` (ASR-KF-EGR §3.2-3.5, the soft rolling freeze): every `every`-th
+// decode step observes (1: every step, as the paper), and before the next step each layer freezes the tokens of
+// persistently low relevance into its host tier for a time that grows as the square root of how often they were
+// found low (d observation periods of `every` steps).
 //
 // For each token a layer holds, outside the tokens the score stage protects (sinks and recent window: the paper's
 // K = 32 is H2O's n_recent), the relevance is its head-mean attention probability for the step's query (the
@@ -65,13 +66,14 @@ static llama_kvp_freeze_state & llama_kvp_freeze_of(llama_kvp_mem_layer & L, int
 }
 
 struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
-    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist",
-            "observe every decode step; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) steps") {}
+    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist,every",
+            "observe every `every` decode steps; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) observation periods") {}
 
     void defaults(llama_kvp_policy & p) const override {
-        p.tau  = 0.5f;
+        p.tau  = 0.1f;
         p.k    = 2;
         p.hist = 128;
+        p.every = 4;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
@@ -88,6 +90,10 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             snprintf(buf, sizeof(buf), "hist must be a multiple of 64 in [64, 4096] decode steps (got %d)", p.hist);
             return buf;
         }
+        if (p.every < 1) {
+            snprintf(buf, sizeof(buf), "every must be >= 1 decode step for freeze (got %d)", p.every);
+            return buf;
+        }
         const auto * fate = llama_kvp_fate_of(p);
         if (!fate || fate->id != LLAMA_KVP_FATE_HOST) {
             return std::string("freeze needs the host fate (+host): frozen tokens wait in the host tier (fate here: ") +
@@ -97,8 +103,7 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
     }
 
     bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const override {
-        (void) p; (void) n_decode;
-        return true;
+        return p.every <= 1 || (n_decode + 1) % p.every == 0;
     }
 
     void before_step(llama_kvp_memory & mem) const override {
@@ -154,10 +159,11 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
                 const int32_t d   = (int32_t) std::floor(std::sqrt((double) c)/p.k);
                 if (low && d > 0) {
                     cells.push_back({ pj, (uint32_t) j, acc_pos[j] == pj ? acc[j] : 0.0f });
-                    timers.push_back(d);
+                    timers.push_back(d*std::max(1, p.every)); // d observation periods
                 }
             }
             llama_kvp_host_freeze(mem, ikv, cells, timers);
+            mem.compact(ikv); // the attention spans the active tokens only
         }
     }
 

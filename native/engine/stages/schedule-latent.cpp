@@ -1,0 +1,230 @@
+// schedule-latent.cpp - schedule stage `latent` (EntropyInfer §4.3, latent decoding): the choice a retention policy
+// made on the prompt is revisited once the answer has begun, so that a token compressed away before the question (or
+// the answer) existed can come back.
+//
+// `gap` decode steps after a prompt ubatch (the prompt, or a later chat turn), before the step that processes the
+// gap-th generated token, each layer scores its active tokens and the tokens of its host tier together, for the
+// observation window's queries (the ring: the end of the prompt and the tokens generated so far; with gap=1 the end
+// of the prompt alone, i.e. the question of a chat turn). The scores are the head- and query-mean attention
+// probabilities of one softmax over all of them (scaled dot products with the model's scale, each query seeing the
+// positions up to its own; softcap, ALiBi and attention sinks are not applied to this ranking), turned into
+// eviction scores by the policy's score stage (its pooling). The layer then keeps what an eviction would keep from
+// all of them: the sinks, the recent window and the best by score up to its budget. Host tokens that make it thaw
+// into the cache; active tokens that do not go to the host tier (cold). With repeat=1 again every `gap` steps.
+// Between re-rankings the scores are refreshed every `every` decode steps, as the `every` schedule does.
+//
+// It needs the host fate: the tokens a budget evicts must be kept to be re-ranked.
+
+#include "llama-kvp-impl.h"
+#include "llama-kvp-memory.h"
+#include "llama-kvp-stage.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
+    llama_kvp_schedule_latent() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_LATENT, LLAMA_KVP_SLOT_SCHEDULE, "latent", "gap,repeat,every",
+            "as `every`; `gap` decode steps after each prompt, active and host tokens are re-ranked together by the window's queries") {}
+
+    void defaults(llama_kvp_policy & p) const override {
+        p.gap    = 16;
+        p.repeat = 0;
+        p.every  = 16;
+    }
+
+    std::string check(const llama_kvp_policy & p) const override {
+        char buf[192];
+        if (p.gap < 1) {
+            snprintf(buf, sizeof(buf), "gap must be >= 1 decode step (got %d)", p.gap);
+            return buf;
+        }
+        if (p.repeat != 0 && p.repeat != 1) {
+            snprintf(buf, sizeof(buf), "repeat must be 0 (once per prompt) or 1 (every gap steps) (got %d)", p.repeat);
+            return buf;
+        }
+        if (p.every < 0) {
+            snprintf(buf, sizeof(buf), "every must be >= 0 (got %d; 0 observes prompt batches only)", p.every);
+            return buf;
+        }
+        const auto * fate = llama_kvp_fate_of(p);
+        if (!fate || fate->id != LLAMA_KVP_FATE_HOST) {
+            return std::string("latent needs the host fate (+host): the tokens the budget evicts must be kept to be re-ranked (fate here: ") +
+                   (fate ? fate->name : "none") + ")";
+        }
+        return "";
+    }
+
+    bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const override {
+        return p.every > 0 && (n_decode + 1) % p.every == 0;
+    }
+
+    void before_step(llama_kvp_memory & mem) const override {
+        const llama_kvp_policy & p = mem.policy;
+        const int32_t k = mem.n_since_prompt;
+        const bool due = p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap;
+        if (!due || !mem.st) {
+            return;
+        }
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            rerank(mem, ikv);
+        }
+    }
+
+private:
+    static void rerank(llama_kvp_memory & mem, int32_t ikv) {
+        llama_kvp_context * st = mem.st;
+        auto & L = mem.layers[ikv];
+        const llama_kvp_policy & p = mem.policy;
+
+        std::vector<float>     q;
+        std::vector<llama_pos> qpos;
+        const int32_t n_q = llama_kvp_obs_layer_queries(st, ikv, q, &qpos);
+        const float scale = st->layers[ikv].kq_scale;
+        if (n_q == 0 || scale <= 0.0f || st->n_head_kv <= 0 || st->n_head % st->n_head_kv != 0) {
+            return;
+        }
+        std::vector<llama_pos> hpos;
+        std::vector<float>     hk;
+        llama_kvp_host_keys(mem, ikv, hpos, hk);
+        if (hpos.empty()) {
+            return; // nothing to bring back
+        }
+
+        // every token of the layer: the active cells, then the host tier (idx = UINT32_MAX), with their keys
+        ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+        const int64_t n_embd_k = kt->ne[0];
+        const uint32_t size = L.kv->get_size();
+        std::vector<llama_kvp_cell> all;
+        std::vector<uint32_t> act;
+        for (uint32_t i = 0; i < size; ++i) {
+            const llama_pos pi = llama_kvp_kv_access::cell_pos(*L.kv, i);
+            if (pi >= 0) {
+                all.push_back({ pi, i, 0.0f });
+                act.push_back(i);
+            }
+        }
+        const size_t n_act = act.size();
+        std::vector<uint8_t> raw(n_act*llama_kvp_cell_bytes(kt, false));
+        llama_kvp_cells_read(kt, false, size, act, raw.data());
+        std::vector<float> keys((n_act + hpos.size())*n_embd_k);
+        const auto * traits = ggml_get_type_traits(kt->type);
+        for (size_t i = 0; i < n_act; ++i) {
+            traits->to_float(raw.data() + i*llama_kvp_cell_bytes(kt, false), keys.data() + i*n_embd_k, n_embd_k);
+        }
+        std::copy(hk.begin(), hk.end(), keys.begin() + n_act*n_embd_k);
+        for (size_t i = 0; i < hpos.size(); ++i) {
+            all.push_back({ hpos[i], UINT32_MAX, 0.0f });
+        }
+        const size_t n = all.size();
+
+        // head- and query-mean attention probability of each token, one softmax per (query, head) over all of them
+        const int32_t d  = st->n_embd_head;
+        const int32_t g  = st->n_head/st->n_head_kv;
+        std::vector<float> mass(n, 0.0f);
+        std::vector<float> lg(n);
+        int32_t n_rows = 0;
+        for (int32_t i = 0; i < n_q; ++i) {
+            for (int32_t h = 0; h < st->n_head; ++h) {
+                const float * qi = q.data() + (size_t) i*st->n_head*d + (size_t) h*d;
+                const int32_t hk_off = (h/g)*d;
+                float mx = -std::numeric_limits<float>::infinity();
+                for (size_t j = 0; j < n; ++j) {
+                    if (all[j].pos > qpos[i]) {
+                        lg[j] = -std::numeric_limits<float>::infinity();
+                        continue;
+                    }
+                    const float * kj = keys.data() + j*n_embd_k + hk_off;
+                    float dot = 0.0f;
+                    for (int32_t e = 0; e < d; ++e) {
+                        dot += qi[e]*kj[e];
+                    }
+                    lg[j] = scale*dot;
+                    mx = std::max(mx, lg[j]);
+                }
+                if (!std::isfinite(mx)) {
+                    continue;
+                }
+                double z = 0.0;
+                for (size_t j = 0; j < n; ++j) {
+                    lg[j] = std::isfinite(lg[j]) ? std::exp(lg[j] - mx) : 0.0f;
+                    z += lg[j];
+                }
+                for (size_t j = 0; j < n; ++j) {
+                    mass[j] += (float) (lg[j]/z);
+                }
+                n_rows++;
+            }
+        }
+        if (n_rows == 0) {
+            return;
+        }
+
+        // what an eviction would keep from all of them, scored by the score stage
+        std::vector<size_t> ord(n);
+        for (size_t j = 0; j < n; ++j) {
+            ord[j] = j;
+        }
+        std::sort(ord.begin(), ord.end(), [&](size_t a, size_t b) { return all[a].pos < all[b].pos; });
+        std::vector<llama_kvp_cell> cells(n);
+        std::vector<float>          raw_mass(n);
+        for (size_t j = 0; j < n; ++j) {
+            cells[j]       = all[ord[j]];
+            raw_mass[j]    = mass[ord[j]]/(float) n_rows;
+            cells[j].score = raw_mass[j];
+        }
+        uint32_t n_sink   = 0;
+        uint32_t n_recent = 0;
+        mem.stage_score->protect(p, L.budget, n_sink, n_recent);
+        const uint32_t n_keep = std::min<uint32_t>((uint32_t) n, std::min<uint32_t>(L.budget, size > 1 ? size - 1 : 0));
+        n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
+        n_sink   = std::min(n_sink, n_keep - n_recent);
+        mem.stage_score->score(p, cells);
+        std::vector<bool> keep(n, false);
+        for (uint32_t j = 0; j < n_sink; ++j) {
+            keep[j] = true;
+        }
+        for (size_t j = n - n_recent; j < n; ++j) {
+            keep[j] = true;
+        }
+        std::vector<size_t> mid;
+        for (size_t j = n_sink; j < n - n_recent; ++j) {
+            mid.push_back(j);
+        }
+        const size_t n_topk = std::min<size_t>(mid.size(), n_keep - n_sink - n_recent);
+        std::partial_sort(mid.begin(), mid.begin() + n_topk, mid.end(), [&](size_t a, size_t b) {
+            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
+        });
+        for (size_t j = 0; j < n_topk; ++j) {
+            keep[mid[j]] = true;
+        }
+
+        // active tokens that lose their place leave (cold), host tokens that win one come back; the others' scores
+        // become the joint ones
+        std::vector<llama_kvp_cell> leaving;
+        std::vector<llama_pos>      back;
+        std::vector<float>          back_score;
+        for (size_t j = 0; j < n; ++j) {
+            const bool active = cells[j].idx != UINT32_MAX;
+            if (active && !keep[j]) {
+                leaving.push_back({ cells[j].pos, cells[j].idx, raw_mass[j] });
+            } else if (!active && keep[j]) {
+                back.push_back(cells[j].pos);
+                back_score.push_back(raw_mass[j]);
+            } else if (active) {
+                llama_kvp_obs_cell_set_score(st, ikv, cells[j].idx, cells[j].pos, raw_mass[j]);
+            }
+        }
+        llama_kvp_host_freeze(mem, ikv, leaving, std::vector<int32_t>(leaving.size(), 0));
+        const uint32_t used = llama_kvp_kv_access::n_used(*L.kv);
+        llama_kvp_host_thaw_pos(mem, ikv, back, back_score, size > used + 1 ? size - used - 1 : 0);
+        mem.n_rerank++;
+    }
+};
+
+const llama_kvp_stage * llama_kvp_stage_schedule_latent() {
+    static const llama_kvp_schedule_latent stage;
+    return &stage;
+}

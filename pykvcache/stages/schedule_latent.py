@@ -1,0 +1,23 @@
+"""Schedule stage `latent` (native/engine/stages/schedule-latent.cpp)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from ..policies import Stage
+
+
+@dataclass(frozen=True)
+class LatentSchedule(Stage):
+    """Latent decoding (EntropyInfer): `gap` decode steps after each prompt (or chat turn), each layer re-ranks its
+    active and host-tier tokens together by the observation window's queries and keeps the best within its budget
+    (`repeat=1`: again every `gap` steps); scores are refreshed every `every` steps in between. Needs the host fate:
+    `SnapKV(budget=0.1) + HostFate() + LatentSchedule()`."""
+
+    name: ClassVar[str] = "latent"
+    slot: ClassVar[str] = "schedule"
+
+    gap: Optional[int] = None
+    repeat: Optional[int] = None
+    every: Optional[int] = None
