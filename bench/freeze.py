@@ -4,8 +4,8 @@
 then fed the same tokens one decode step at a time (teacher forcing, the work of a generation): active KV tokens and
 bytes (mean over the steps and at the end), host-tier bytes, wall time against the full cache, streamed next-token
 KL and top-1 against it, and the policy's own free greedy run (tokens equal to the full cache's).
-(b) Passkeys (needles in the essays) at `--needle-lengths` with a 10% active budget: the full cache, plain eviction,
-eviction into the host tier with the freeze on top, and the freeze alone.
+(b) Passkeys (needles in the essays) at `--needle-lengths`: the full cache, plain eviction at a 10% budget, and the
+freeze preset.
 (c) Needles whose question arrives in a second turn, after the document was compressed and a first answer generated
 (the compression cannot know the question): each `--turn-policies` policy with and without `+host+latent:gap=1`
 (re-ranking by the question's turn), against the full cache.
@@ -29,6 +29,7 @@ from pykvcache import Llama
 from pykvcache._native import native
 from pykvcache.corpus import essays
 from pykvcache.evaluate import log_softmax, needle_cases, needle_text
+from pykvcache.recovery import ladder_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_prefill import cpu_name  # noqa: E402
@@ -59,10 +60,13 @@ def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threa
     llm.eval(prompt)
     t_prompt = time.perf_counter() - t0
     lp, active, toks = [], [], []
+    ladder = ladder_of(llm)  # the freeze schedule's recovery ladder (levels 1-3 here: the tokens are given)
     t0 = time.perf_counter()
     for i in range(n_gen):
         x = logits(llm)
         lp.append(log_softmax(x).astype(np.float32))
+        if ladder is not None:
+            ladder.step()
         tok = int(np.argmax(x)) if ref is None else ref[i]
         toks.append(tok)
         llm.eval([tok])
@@ -83,7 +87,8 @@ def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threa
     }
     if spec and "freeze" in row["spec"]:
         h = llm.kv_host()
-        row.update(n_freeze=h.n_freeze, n_thaw=h.n_thaw, n_dropped=h.n_dropped, host_ms=h.t_ms)
+        row.update(n_freeze=h.n_freeze, n_thaw=h.n_thaw, n_dropped=h.n_dropped, host_ms=h.t_ms,
+                   n_recover=list(h.n_recover))
     llm.close()
     return {"row": row, "logprobs": lp, "tokens": toks}
 
@@ -94,9 +99,12 @@ def timed(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, p
     llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
                 flash_attn=True, verbose=False, **kw)
     llm.eval(prompt)
+    ladder = ladder_of(llm)
     t0 = time.perf_counter()
     for tok in ref:
         logits(llm)
+        if ladder is not None:
+            ladder.step()
         llm.eval([tok])
     dt = time.perf_counter() - t0
     llm.close()
@@ -176,6 +184,59 @@ def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: 
             "promoted": promoted}
 
 
+def plot_active(res: Dict[str, Any], path: Path) -> Path:
+    """Active KV tokens (all layers) at each step of (a)'s generation, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in res["open"]:
+        ax.plot(np.arange(1, len(r["active_trace"]) + 1), r["active_trace"], label=r["spec"].replace(",chunk=128", "").replace(",limit=0", ""))
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("active KV tokens (all layers)")
+    ax.set_title(f"active KV tokens over a {res['n_gen']}-token generation ({res['cpu']}, {res['threads']} threads)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    """The three tables of a run."""
+    out = []
+    if res.get("open"):
+        out += [f"(a) {res['n_gen']} tokens generated after an open prompt (ASR-KF-EGR's setting); time: median of "
+                f"{len(res['open'][0].get('gen_s_runs', [])) or 1} interleaved passes.", "",
+                "| policy | active tokens (mean) | fewer active | active final | active MiB (mean / final) | host MiB (peak) | s | x full | KL | top-1 | first greedy divergence |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["open"]:
+            per_tok = r["active_bytes_final"] / max(r["active_final"], 1) / 2**20
+            out.append(f"| `{r['spec']}` | {r['active_mean']:.0f} | {100 * r['active_cut']:.0f}% | {r['active_final']} | "
+                       f"{r['active_mean'] * per_tok:.2f} / {r['active_final'] * per_tok:.2f} | "
+                       f"{r['host_bytes_peak'] / 2**20:.2f} | {r.get('gen_s_median', r['gen_s']):.2f} | {r.get('x_time', 1.0):.2f} | "
+                       f"{r['kl_mean']:.4f} | {r['top1']:.3f} | {r.get('greedy_prefix', res['n_gen'])} |")
+        out.append("")
+    if res.get("passkey"):
+        out += ["(b) Passkeys (essays, 5 depths), 10% active budget for the retention policies; active share: the layers' "
+                "active tokens over all tokens after the answer.", "",
+                "| prompt | policy | found | active share |", "|---:|---|---:|---:|"]
+        for r in res["passkey"]:
+            out.append(f"| {r['length']} | `{r['spec']}` | {r['n_hit']}/{len(r['hits'])} | {r['active_share']:.2f} |")
+        out.append("")
+    if res.get("turn"):
+        out += ["(c) The question in a second turn: the document (10% budget), 8 tokens of a first answer, then the "
+                "question; `+host+latent:gap=1` re-ranks active and host tokens at the question's first decode step.", "",
+                "| document | policy | found | host tokens brought back (per case, all layers) |", "|---:|---|---:|---|"]
+        for r in res["turn"]:
+            out.append(f"| {r['length']} | `{r['spec']}` | {r['n_hit']}/{len(r['hits'])} | "
+                       f"{', '.join(str(x) for x in r['promoted']) or '-'} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
@@ -191,6 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-r", "--reps", type=int, default=3, help="timed passes per policy, interleaved (median)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-o", "--output", default=None, help="JSON results")
+    ap.add_argument("--plot", default=None, help="PNG of the active tokens over (a)'s generation, one line per policy")
     args = ap.parse_args(argv)
     import os
     threads = args.threads or os.cpu_count() or 2
@@ -243,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cases = needle_cases(nl, hay, n, depths, seed=7)
         nl.close()
         b = max(1, int(round(0.1 * n)))
-        for spec in (None, f"h2o:budget={b}", f"h2o:budget={b}+freeze+host", "freeze"):
+        for spec in (None, f"h2o:budget={b}", "freeze"):
             r = passkeys(args.model, spec, n + 64, threads, cases)
             r["length"] = n
             res["passkey"].append(r)
@@ -263,6 +325,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["length"] = n
             res["turn"].append(r)
             print(f"(c) {n} tokens {r['spec']}: {r['n_hit']}/{len(cases)}, promoted {r['promoted']}", file=sys.stderr)
+
+    if args.plot and res["open"]:
+        plot_active(res, Path(args.plot))
 
     text = json.dumps(res, indent=1)
     if args.output:

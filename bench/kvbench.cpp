@@ -68,6 +68,7 @@ struct kvbench_result {
     double               t_plain       = 0.0; // median time of a plain (non-observing) step, 0 if none
     double               t_gen         = 0.0; // all decode steps (s)
     double               density       = 1.0; // sparse prefill: key blocks computed / dense, in ubatches that ran sparse
+    int32_t              n_recover[4]  = { 0, 0, 0, 0 }; // recovery ladder events by level (all repetitions)
 
     // ratios to `full` at the same configuration (0: no full row)
     double pp_ratio = 0.0;
@@ -391,7 +392,13 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
             llama_batch batch = llama_batch_init(1, 0, 1);
             double t_gen = 0.0;
+            // the freeze schedule's recovery ladder sees every step's distribution; a Rewalk re-decodes the last
+            // `rewalk` steps (counted in the time, not in n_gen)
+            const bool ladder = pol.stage[LLAMA_KVP_SLOT_SCHEDULE] == LLAMA_KVP_SCHEDULE_FREEZE && pol.z > 0.0f;
+            std::vector<llama_token> fed;
+            int32_t n_rewalk = 0;
             for (int32_t i = 0; i < r.n_gen; ++i) {
+                fed.push_back(tok);
                 batch.n_tokens     = 1;
                 batch.token[0]     = tok;
                 batch.pos[0]       = r.n_depth + r.n_prompt + i;
@@ -405,10 +412,31 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                     throw std::runtime_error("llama_decode failed at decode step " + std::to_string(i));
                 }
                 tok = kvbench_argmax(ctx, n_vocab); // reads the logits: the step is complete
+                int32_t back = -1;
+                if (ladder) {
+                    const int32_t lvl = llama_kvp_recover_step(ctx, llama_get_logits_ith(ctx, -1), n_vocab);
+                    if (lvl < 0) {
+                        llama_batch_free(batch);
+                        throw std::runtime_error(llama_kvp_last_error());
+                    }
+                    if (lvl > 0) {
+                        r.n_recover[lvl - 1]++;
+                    }
+                    if (lvl == 4 && pol.rewalk > 0 && i >= pol.rewalk && n_rewalk < 16) {
+                        back = i - pol.rewalk; // decode step back..i again, from the token fed at step back
+                        llama_memory_seq_rm(llama_get_memory(ctx), 0, r.n_depth + r.n_prompt + back, -1);
+                        n_rewalk++;
+                    }
+                }
                 const double dt = kvbench_now() - t0;
                 t_gen += dt;
                 step_t.push_back(dt);
                 step_obs.push_back(kvbench_n_obs(ctx) > n_obs0);
+                if (back >= 0) {
+                    tok = fed[back];
+                    fed.resize(back);
+                    i = back - 1;
+                }
             }
             llama_batch_free(batch);
             r.tg_ts.push_back(r.n_gen/t_gen);
@@ -544,7 +572,8 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
     printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
             r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
-    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.4f, \"density\": %.4f}%s\n",
+    printf("     \"n_recover\": [%d, %d, %d, %d],\n", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
+    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.6f, \"density\": %.4f}%s\n",
             r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, r.density, last ? "" : ",");
 }
 

@@ -153,6 +153,30 @@ reading, fitting and writing one layer's bin. ms/token: greedy decoding after th
 """
 
 
+def freeze_section(path: Path) -> str:
+    """The host tier section from bench/freeze.py's JSON ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from freeze import markdown as freeze_markdown
+
+    res = json.loads(path.read_text())
+    return f"""
+## Host tier: soft freeze and latent re-ranking
+
+```
+{res.get('command', 'python bench/freeze.py')}
+```
+
+Raw: [results/{path.name}](results/{path.name}). {res['cpu']}, {res['threads']} threads. Every policy is fed the full
+cache's own greedy tokens one decode step at a time; KL and top-1 are against the full cache's next-token
+distribution at each step. Active tokens: tokens the layer caches hold, summed over layers (the full cache: tokens x
+layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost of the observation alone.
+
+{freeze_markdown(res)}
+"""
+
+
 def corpus_section(path: Path) -> str:
     """The second corpus's fidelity section from `pykvcache eval --corpus ... -o` JSON ('' when there is none)."""
     if not path.is_file():
@@ -187,6 +211,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--summarise", action="store_true",
                     help="rerun bench/summarise.py (summarise vs eviction, snapkv and entropy at 25%% and 10%%; ~20 min); "
                          "without it the section shows results/summarise.json as it is")
+    ap.add_argument("--freeze", action="store_true",
+                    help="rerun bench/freeze.py (host tier, freeze, latent re-ranking; ~35 min); without it the section "
+                         "shows results/freeze.json as it is")
     ap.add_argument("--sparse", action="store_true",
                     help="rerun bench/sparse_prefill.py (sparse prefill vs dense at 4k and 8k, needles at 8k; ~30 min); "
                          "without it the section shows results/sparse_prefill.json as it is")
@@ -226,7 +253,13 @@ def main(argv: List[str] | None = None) -> int:
     if args.summarise:
         run([sys.executable, str(ROOT / "bench" / "summarise.py"), "--policies", "snapkv,entropy", "--budgets",
              "0.25,0.1", "-t", str(args.threads), "-o", str(summarise_json)])
-    extra_md = summarise_section(summarise_json) + corpus_section(res_dir / "eval_numpy-docs.json")
+    freeze_json = res_dir / "freeze.json"
+    if args.freeze:
+        run([sys.executable, str(ROOT / "bench" / "freeze.py"), "-n", "500", "--policy", "freeze", "--policy",
+             "freeze:every=1", "--policy", "h2o:budget=100", "--policy", "h2o:budget=608", "-t", str(args.threads),
+             "-o", str(freeze_json)])
+    extra_md = (summarise_section(summarise_json) + freeze_section(freeze_json) +
+                corpus_section(res_dir / "eval_numpy-docs.json"))
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]
     minutes = (time.time() - t0) / 60

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Generator, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .policies import Policy, PolicyError, as_policy, from_native
+from .recovery import RecoveryEvent, ladder_of
 from .telemetry import (HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry,
                         SummaryTelemetry)
 
@@ -153,12 +154,16 @@ class Llama(llama_cpp.Llama):
         return tokens[n_head:]
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
-        """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact."""
+        """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact;
+        with the freeze schedule's recovery ladder (z > 0) each token's distribution is watched (see recovery.py)."""
         pol = self._kv_policy
         if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
                 and self.n_tokens > 0):
             self._kv_reuse_prefix(list(tokens))
-        return (yield from super().generate(tokens, *args, **kwargs))
+        ladder = ladder_of(self)
+        if ladder is None:
+            return (yield from super().generate(tokens, *args, **kwargs))
+        return (yield from ladder.generate(tokens, args, kwargs))
 
     def _kv_reuse_prefix(self, tokens: list) -> None:
         # llama-cpp-python keeps the longest common prefix of the cache and the prompt; over a cache a policy has
@@ -300,7 +305,20 @@ class Llama(llama_cpp.Llama):
             state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
             host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),
             n_thaw=int(out.n_thaw), n_evict=int(out.n_evict), n_dropped=int(out.n_dropped), n_steps=int(out.n_steps),
-            t_ms=float(out.t_ms), n_rerank=int(out.n_rerank), n_promote=int(out.n_promote))
+            t_ms=float(out.t_ms), n_rerank=int(out.n_rerank), n_promote=int(out.n_promote),
+            n_recover=tuple(int(out.n_recover[i]) for i in range(4)))
+
+    def kv_recovery_events(self) -> List[RecoveryEvent]:
+        """Events of the freeze schedule's recovery ladder so far: decode step, level (1 Soft Reset, 2 Window Reset,
+        3 Full Reset, 4 Rewalk) and the next-token entropy that set it off."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        n = lib.llama_kvp_recover_events(ctx, ffi.NULL, ffi.NULL, ffi.NULL, 0)
+        if n < 0:
+            raise PolicyError(last_error())
+        step, level, ent = ffi.new("int32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)), ffi.new("float[]", max(n, 1))
+        lib.llama_kvp_recover_events(ctx, step, level, ent, n)
+        return [RecoveryEvent(int(step[i]), int(level[i]), float(ent[i])) for i in range(n)]
 
     def kv_thaw_all(self) -> int:
         """Move every token of the host tier back into the layer caches (as far as their budgets allow); returns the

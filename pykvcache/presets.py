@@ -136,8 +136,9 @@ class EntropyLayerBudget(RetentionPolicy):
 class Freeze(RetentionPolicy):
     """ASR-KF soft rolling freeze (uniform + accumulated + freeze + host + dense): every token is kept (the budget is
     the context), but at each decode step a token whose attention stays below `tau`/n freezes into the host tier for
-    floor(sqrt(c)/`k`) steps, c its low steps among the last `hist`; the last `n_recent` tokens never freeze. The
-    host tier holds at most `limit` tokens per layer (0: the context size)."""
+    floor(sqrt(c)/`k`) observation periods of `every` steps, c its low observations among the last `hist` steps; the
+    last `n_recent` tokens never freeze. The host tier holds at most `limit` tokens per layer (0: the context size).
+    With `z` > 0 the entropy recovery ladder watches each generated token (see `FreezeSchedule`)."""
 
     name: ClassVar[str] = "freeze"
     type_id: ClassVar[int] = 7
@@ -147,6 +148,9 @@ class Freeze(RetentionPolicy):
     k: int = 2
     hist: int = 128
     every: int = 4
+    z: float = 0.0
+    rewalk: int = 0
+    span: int = 16
     limit: int = 0
     chunk: int = 128
 

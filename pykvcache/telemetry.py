@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -235,6 +235,7 @@ class HostTelemetry:
     t_ms: float
     n_rerank: int = 0
     n_promote: int = 0
+    n_recover: Tuple[int, int, int, int] = (0, 0, 0, 0)
 
     DROPPED: ClassVar[int] = 0
     ACTIVE: ClassVar[int] = 1
@@ -246,6 +247,20 @@ class HostTelemetry:
         d = {k: v for k, v in self.__dict__.items() if k != "state"}
         d["state"] = self.state.astype(int).tolist()
         return d
+
+    def plot_axes(self, ax: Any, fig: Any) -> None:
+        """Draw the layer x position map of active, frozen, cold and dropped tokens on one axis."""
+        from matplotlib.colors import ListedColormap
+
+        cmap = ListedColormap(["#d9d9d9", "#1f77b4", "#9ecae1", "#fdae6b"])
+        im = ax.imshow(self.state, aspect="auto", cmap=cmap, vmin=-0.5, vmax=3.5, origin="lower",
+                       interpolation="nearest")
+        ax.set_title(f"host tier: {self.n_active} active, {self.n_frozen} frozen, "
+                     f"{self.n_host - self.n_frozen} cold tokens")
+        ax.set_xlabel("position")
+        ax.set_ylabel("layer")
+        bar = fig.colorbar(im, ax=ax, ticks=[0, 1, 2, 3])
+        bar.ax.set_yticklabels(["dropped", "active", "frozen", "cold"])
 
 
 @dataclass
@@ -351,6 +366,9 @@ class KVTelemetry:
                 ax2.set_ylabel("layer")
             else:
                 ax2.axis("off")
+        elif self.host is not None:  # the host tier's map instead of the budgets
+            fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(20, 5), gridspec_kw={"width_ratios": [1, 2.2, 2.2]})
+            self.host.plot_axes(ax2, fig)
         elif self.budgets is not None:
             fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             layer_ids = np.arange(len(self.budgets))

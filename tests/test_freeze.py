@@ -52,7 +52,7 @@ def test_bad_specs(spec, msg):
 
 def test_composition_round_trips():
     p = parse_policy("freeze")
-    assert p.spec() == "freeze:every=4,n_recent=32,chunk=128,tau=0.1,k=2,hist=128,limit=0"
+    assert p.spec() == "freeze:every=4,n_recent=32,chunk=128,tau=0.1,k=2,hist=128,limit=0,z=0,rewalk=0,span=16"
     # a stage is added to a policy that can run it: the host tier first, then the freeze that needs it
     composed = H2O(budget=0.1) + HostFate(limit=4096) + FreezeSchedule(tau=1.0)
     assert Composed(H2O(budget=0.1), (FreezeSchedule(tau=1.0), HostFate(limit=4096))).spec() == composed.spec()
@@ -203,3 +203,38 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
         else:
             assert h.n_rerank == 0 and h.n_promote == 0
     assert held["snapkv:budget=96,guide=0+host+latent:gap=1"] > held["snapkv:budget=96,guide=0+host"]
+
+
+LADDER = "freeze:tau=2,k=1,every=1,z=0.3,rewalk=3,span=4"
+
+
+def test_recovery_ladder_is_off_unless_asked(model_path):
+    from pykvcache._native import native
+    from pykvcache.recovery import ladder_of
+
+    llm = make(model_path, "freeze")
+    assert ladder_of(llm) is None
+    ffi, lib = native()
+    logits = ffi.new("float[]", llm.n_vocab())
+    assert lib.llama_kvp_recover_step(llm._native_ctx(), logits, llm.n_vocab()) == -1
+    assert "needs the freeze schedule with z > 0" in ffi.string(lib.llama_kvp_last_error()).decode()
+    with pytest.raises(PolicyError, match="z must be >= 0"):
+        parse_policy("freeze:z=-1")
+
+
+def test_recovery_ladder_climbs_acts_and_streams_the_same_text(model_path):
+    texts = []
+    for stream in (False, True):
+        llm = make(model_path, LADDER)
+        out = llm.create_completion(PROMPT + "\n\nOnce upon a time,", max_tokens=96, temperature=0.0, stream=stream)
+        texts.append("".join(c["choices"][0]["text"] for c in out) if stream else out["choices"][0]["text"])
+        ev = llm.kv_recovery_events()
+        h = llm.kv_host()
+        assert len(ev) > 0 and all(1 <= e.level <= 4 for e in ev)
+        assert list(h.n_recover) == [sum(e.level == lv for e in ev) for lv in (1, 2, 3, 4)]
+        # a spike climbs one level from where the last one left it (calm spells bring it down, a Rewalk restarts)
+        for a, b in zip(ev, ev[1:]):
+            assert b.level == 1 or b.level == a.level + 1 or b.step - a.step >= 4
+        assert h.n_recover[3] > 0 and h.n_thaw > 0
+        assert len(llm.tokenize(texts[-1].encode(), add_bos=False)) >= 90  # max_tokens honoured, nothing lost
+    assert texts[0] == texts[1]

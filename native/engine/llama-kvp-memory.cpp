@@ -305,6 +305,7 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
             stage_schedule->before_step(*this);
         }
         n_since_prompt++;
+        n_steps_total++;
     }
 
     for (int32_t i = 0; i < n; ++i) {

@@ -149,6 +149,9 @@ public:
     int64_t host_bytes_peak = 0;
     int64_t n_rerank        = 0; // latent re-rankings (schedule stage `latent`), per layer
     int32_t n_since_prompt  = 0; // decode steps since the last prompt ubatch
+    int32_t n_steps_total   = 0; // decode steps since the memory was created
+
+    std::unique_ptr<llama_kvp_layer_state> sched_state; // the schedule stage's state of the whole memory (nullptr: none)
     int64_t n_evicted  = 0;
     int32_t n_resize   = 0;
     int32_t n_budget   = 0;

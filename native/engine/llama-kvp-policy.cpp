@@ -73,6 +73,9 @@ static const llama_kvp_key_info k_keys[] = {
     { "limit",      false, offsetof(llama_kvp_policy, limit)      },
     { "gap",        false, offsetof(llama_kvp_policy, gap)        },
     { "repeat",     false, offsetof(llama_kvp_policy, repeat)     },
+    { "z",          true,  offsetof(llama_kvp_policy, z)          },
+    { "rewalk",     false, offsetof(llama_kvp_policy, rewalk)     },
+    { "span",       false, offsetof(llama_kvp_policy, span)       },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");
@@ -163,8 +166,14 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.guide      = 0;
     llama_kvp_stage_prefill_sparse()->defaults(res); // its keys have values whatever the prefill stage (same chunk, guide)
     llama_kvp_stage_fate_summarise()->defaults(res);
-    llama_kvp_stage_schedule_freeze()->defaults(res);
     llama_kvp_stage_fate_host()->defaults(res);
+    // the keys only the freeze and latent schedules read (their defaults of `every` are not the base's)
+    res.tau    = 0.1f;
+    res.k      = 2;
+    res.hist   = 128;
+    res.z      = 0.0f;
+    res.rewalk = 0;
+    res.span   = 16;
     res.gap    = 16;
     res.repeat = 0;
     return res;

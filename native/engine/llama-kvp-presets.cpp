@@ -94,6 +94,9 @@ static void llama_kvp_make_freeze(llama_kvp_policy & p) {
     p.tau        = 0.1f;
     p.k          = 2;
     p.hist       = 128;
+    p.z          = 0.0f;
+    p.rewalk     = 0;
+    p.span       = 16;
     p.limit      = 0;
 }
 
@@ -123,7 +126,7 @@ static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,n_sink,n_recent,topk_share,window,pool,every,decay,chunk,guide",
       "entropy + window (max pooling, sinks, recent) + every + drop + dense guided (Kim & Jung)",
       llama_kvp_make_entropy,     llama_kvp_derive_schedule },
-    { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,every,limit,chunk",
+    { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,every,z,rewalk,span,limit,chunk",
       "uniform (the whole context) + accumulated + freeze + host + dense (ASR-KF soft rolling freeze)",
       llama_kvp_make_freeze,      llama_kvp_derive_freeze },
 };

@@ -205,5 +205,15 @@ void llama_kvp_host_keys(llama_kvp_memory & mem, int32_t ikv, std::vector<llama_
 uint32_t llama_kvp_host_thaw_pos(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_pos> & pos,
                                  const std::vector<float> & score, uint32_t n_room);
 
+// thaws the frozen tokens of KV layer ikv (timer > 0) whose timer is at least min_timer and that were frozen at
+// decode step since_step or later, at most n_room; returns the count
+uint32_t llama_kvp_host_thaw_frozen(llama_kvp_memory & mem, int32_t ikv, int32_t min_timer, int32_t since_step, uint32_t n_room);
+
+// the recovery ladder of the `freeze` schedule (stages/schedule-freeze.cpp): one generated token's logits; returns
+// the level acted on (0: none); and its counters per level (n_level[4]) and events
+int32_t llama_kvp_freeze_recover(llama_kvp_memory & mem, const float * logits, int32_t n_vocab);
+void    llama_kvp_freeze_ladder (llama_kvp_memory & mem, int32_t * n_level, std::vector<int32_t> * step,
+                                 std::vector<int32_t> * level, std::vector<float> * entropy);
+
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

@@ -121,6 +121,9 @@ struct llama_kvp_policy {
     int32_t limit;      // host: tokens per layer the host tier holds (0 = the context size); past it the coldest are dropped
     int32_t gap;        // latent: decode steps after a prompt (a chat turn) at which active and host tokens are re-ranked (>= 1)
     int32_t repeat;     // latent: 1 = re-rank again every `gap` decode steps, 0 = once per prompt
+    float   z;          // freeze: recovery ladder on when > 0: a next-token entropy above mean + z*sd is a spike
+    int32_t rewalk;     // freeze: tokens the ladder's last level rolls back and generates again (0: no Rewalk)
+    int32_t span;       // freeze: decode steps a Window Reset reaches back, and calm steps after which the ladder resets
 };
 
 // what a policy is made of (names are static strings)
@@ -335,6 +338,7 @@ struct llama_kvp_host_stats {
     int32_t n_steps;         // decode steps since the cache was emptied or restarted
     int64_t n_rerank;        // latent re-rankings (per layer) so far
     int64_t n_promote;       // host tokens made active again by a re-ranking
+    int32_t n_recover[4];    // recovery ladder events by level: Soft Reset, Window Reset, Full Reset, Rewalk
     double  t_ms;            // time spent deciding and moving tokens (ms)
 };
 
@@ -348,6 +352,18 @@ int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * 
 // moves every token of the host tier back into the layer caches as far as their cells allow (a budget's eviction
 // may send some back at the next step) and clears the freeze counts; returns the tokens thawed
 int32_t llama_kvp_host_thaw_all(struct llama_context * ctx);
+
+// the entropy recovery ladder (schedule stage `freeze` with z > 0; ASR-KF-EGR §3.6): after each generated token,
+// pass the logits it was sampled from. The entropy of that distribution is compared with its running mean + z*sd;
+// each spike climbs one level and acts: 1 Soft Reset (thaw the tokens frozen for more than one more step), 2 Window
+// Reset (thaw every token frozen in the last `span` steps), 3 Full Reset (thaw everything, clear the counts), 4 Rewalk
+// (a Full Reset, and the caller rolls back its last `rewalk` tokens and generates them again: it must remove their
+// positions). `span` calm steps bring the ladder back down. Returns the level acted on (0: none), -1 on error.
+int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits, int32_t n_vocab);
+
+// the ladder's events so far: decode step, level (1-4) and the entropy (nats) that set it off; returns their count
+// (the first n_max are written; any output may be NULL)
+int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max);
 
 // raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types (k_out, v_out may be NULL; each
 // must hold the count a call with NULL outputs returns); returns the K bytes + V bytes, 0 if no cell holds pos, -1

@@ -12,7 +12,9 @@ from ..policies import Stage
 class FreezeSchedule(Stage):
     """Every `every`-th decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended)
     on c observations of the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) observation periods,
-    then thaws (ASR-KF soft freeze).
+    then thaws (ASR-KF soft freeze). With `z` > 0, the entropy recovery ladder: a generated token whose distribution's
+    entropy is above its running mean + z sd climbs one level (Soft Reset, Window Reset of the last `span` steps,
+    Full Reset, Rewalk of the last `rewalk` tokens) and thaws accordingly.
     Needs the host fate: `H2O(budget=0.1) + HostFate() + FreezeSchedule()` (the host tier first)."""
 
     name: ClassVar[str] = "freeze"
@@ -22,3 +24,6 @@ class FreezeSchedule(Stage):
     k: Optional[int] = None
     hist: Optional[int] = None
     every: Optional[int] = None
+    z: Optional[float] = None
+    rewalk: Optional[int] = None
+    span: Optional[int] = None

@@ -32,6 +32,7 @@ struct llama_kvp_host_state : llama_kvp_layer_state {
     std::vector<llama_pos> pos;
     std::vector<float>     score; // accumulated attention mass when it left (restored when it comes back)
     std::vector<int32_t>   timer; // 0: cold; > 0: decode steps until it thaws
+    std::vector<int32_t>   t_in;  // the decode step it came in (mem.n_steps_total)
     std::vector<uint8_t>   k;     // row_k bytes per token
     std::vector<uint8_t>   v;     // row_v bytes per token
 
@@ -70,12 +71,14 @@ static void llama_kvp_host_remove(llama_kvp_memory & mem, llama_kvp_host_state &
             S.pos[i]   = S.pos[last];
             S.score[i] = S.score[last];
             S.timer[i] = S.timer[last];
+            S.t_in[i]  = S.t_in[last];
             memcpy(S.k.data() + i*S.row_k, S.k.data() + last*S.row_k, S.row_k);
             memcpy(S.v.data() + i*S.row_v, S.v.data() + last*S.row_v, S.row_v);
         }
         S.pos.pop_back();
         S.score.pop_back();
         S.timer.pop_back();
+        S.t_in.pop_back();
         S.k.resize(last*S.row_k);
         S.v.resize(last*S.row_v);
         mem.host_bytes -= (int64_t) (S.row_k + S.row_v);
@@ -164,6 +167,7 @@ void llama_kvp_host_freeze(llama_kvp_memory & mem, int32_t ikv, const std::vecto
         S.pos.push_back(cells[i].pos);
         S.score.push_back(cells[i].score);
         S.timer.push_back(std::max(0, timers[i]));
+        S.t_in.push_back(mem.n_steps_total);
         (timers[i] > 0 ? S.n_freeze : S.n_evict)++;
         mem.cell_free(ikv, cells[i].idx);
     }
@@ -237,6 +241,23 @@ uint32_t llama_kvp_host_thaw_pos(llama_kvp_memory & mem, int32_t ikv, const std:
     const uint32_t res = llama_kvp_host_restore(mem, ikv, S, which);
     S.n_promote += res;
     return res;
+}
+
+uint32_t llama_kvp_host_thaw_frozen(llama_kvp_memory & mem, int32_t ikv, int32_t min_timer, int32_t since_step, uint32_t n_room) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate) {
+        return 0;
+    }
+    auto & S = static_cast<llama_kvp_host_state &>(*L.fate);
+    std::vector<size_t> which;
+    for (size_t i = 0; i < S.size(); ++i) {
+        if (S.timer[i] > 0 && S.timer[i] >= min_timer && S.t_in[i] >= since_step) {
+            which.push_back(i);
+        }
+    }
+    std::sort(which.begin(), which.end(), [&](size_t a, size_t b) { return S.score[a] > S.score[b]; });
+    which.resize(std::min<size_t>(which.size(), n_room));
+    return llama_kvp_host_restore(mem, ikv, S, which);
 }
 
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
@@ -356,6 +377,7 @@ struct llama_kvp_fate_host : llama_kvp_fate_stage {
         S.pos.resize(n);
         S.score.resize(n);
         S.timer.resize(n);
+        S.t_in.assign(n, mem.n_steps_total);
         for (size_t i = 0; i < n; ++i, x += 12) {
             memcpy(&S.pos[i],   x,     4);
             memcpy(&S.score[i], x + 4, 4);

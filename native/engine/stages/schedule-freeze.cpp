@@ -13,12 +13,21 @@
 // for d_j steps (its cell is freed, its K/V wait in the host tier) and thaws by itself when its timer runs out.
 // The count is not refreshed while a token is frozen, so a token that stays irrelevant spends d/(d+1) of its time
 // frozen, d growing slowly.
+//
+// The entropy recovery ladder (§3.6, which its authors left unimplemented), on with z > 0: after each generated token
+// the caller passes the logits it was sampled from (llama_kvp_recover_step). Their entropy H is compared with an
+// exponential running mean and sd (weight 1/16, after 8 warm-up steps); H > mean + z*sd is a spike. Each spike
+// climbs one level and acts on every layer: 1 Soft Reset thaws the tokens with more than one step left, 2 Window
+// Reset thaws everything frozen in the last `span` steps, 3 Full Reset thaws everything and clears the counts, 4
+// Rewalk (with rewalk > 0) does a Full Reset and asks the caller to roll back its last `rewalk` tokens and generate
+// them again, then the ladder starts from the bottom. `span` steps without a spike bring it back down.
 
 #include "llama-kvp-impl.h"
 #include "llama-kvp-memory.h"
 #include "llama-kvp-stage.h"
 
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 
@@ -65,15 +74,41 @@ static llama_kvp_freeze_state & llama_kvp_freeze_of(llama_kvp_mem_layer & L, int
     return static_cast<llama_kvp_freeze_state &>(*L.sched);
 }
 
+// the recovery ladder of the memory
+struct llama_kvp_ladder_state : llama_kvp_layer_state {
+    double  mean  = 0.0;
+    double  var   = 0.0;
+    int32_t n     = 0;
+    int32_t level = 0;
+    int32_t calm  = 0;
+    int32_t n_level[4] = { 0, 0, 0, 0 };
+    std::vector<int32_t> ev_step;
+    std::vector<int32_t> ev_level;
+    std::vector<float>   ev_entropy;
+};
+
+static constexpr int32_t LLAMA_KVP_LADDER_WARMUP = 8;
+static constexpr double  LLAMA_KVP_LADDER_ALPHA  = 1.0/16.0;
+
+static llama_kvp_ladder_state & llama_kvp_ladder_of(llama_kvp_memory & mem) {
+    if (!mem.sched_state) {
+        mem.sched_state = std::make_unique<llama_kvp_ladder_state>();
+    }
+    return static_cast<llama_kvp_ladder_state &>(*mem.sched_state);
+}
+
 struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
-    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist,every",
+    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist,every,z,rewalk,span",
             "observe every `every` decode steps; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) observation periods") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.tau  = 0.1f;
         p.k    = 2;
-        p.hist = 128;
-        p.every = 4;
+        p.hist   = 128;
+        p.every  = 4;
+        p.z      = 0.0f;
+        p.rewalk = 0;
+        p.span   = 16;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
@@ -88,6 +123,14 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
         }
         if (p.hist < 64 || p.hist > 4096 || p.hist % 64 != 0) {
             snprintf(buf, sizeof(buf), "hist must be a multiple of 64 in [64, 4096] decode steps (got %d)", p.hist);
+            return buf;
+        }
+        if (!std::isfinite(p.z) || p.z < 0.0f) {
+            snprintf(buf, sizeof(buf), "z must be >= 0 (got %g; 0 turns the recovery ladder off)", (double) p.z);
+            return buf;
+        }
+        if (p.rewalk < 0 || p.span < 1) {
+            snprintf(buf, sizeof(buf), "rewalk must be >= 0 and span >= 1 (got rewalk=%d, span=%d)", p.rewalk, p.span);
             return buf;
         }
         if (p.every < 1) {
@@ -186,8 +229,101 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
                 S.n_obs   = -1;
             }
         }
+        if (p0 <= 0 && p1 < 0) {
+            mem.sched_state.reset(); // a new sequence: the ladder's statistics and events start again
+        }
+    }
+
+    // the ladder's step (see the top of the file); returns the level acted on
+    int32_t recover(llama_kvp_memory & mem, const float * logits, int32_t n_vocab) const {
+        const llama_kvp_policy & p = mem.policy;
+        double mx = -INFINITY;
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            mx = std::max(mx, (double) logits[i]);
+        }
+        double z = 0.0;
+        double s1 = 0.0;
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            const double e = std::exp((double) logits[i] - mx);
+            z  += e;
+            s1 += e*((double) logits[i] - mx);
+        }
+        const double h = std::log(z) - s1/z; // entropy of softmax(logits), nats
+
+        auto & D = llama_kvp_ladder_of(mem);
+        const bool spike = D.n >= LLAMA_KVP_LADDER_WARMUP && h > D.mean + p.z*std::sqrt(std::max(D.var, 0.0));
+        if (D.n < LLAMA_KVP_LADDER_WARMUP) { // plain mean and variance while warming up
+            const double d = h - D.mean;
+            D.mean += d/(D.n + 1);
+            D.var  += (d*(h - D.mean) - D.var)/(D.n + 1);
+        } else {
+            const double d = h - D.mean;
+            D.mean += LLAMA_KVP_LADDER_ALPHA*d;
+            D.var   = (1.0 - LLAMA_KVP_LADDER_ALPHA)*(D.var + LLAMA_KVP_LADDER_ALPHA*d*d);
+        }
+        D.n++;
+        if (!spike) {
+            if (++D.calm >= p.span) {
+                D.level = 0;
+            }
+            return 0;
+        }
+        D.calm  = 0;
+        D.level = std::min(D.level + 1, p.rewalk > 0 ? 4 : 3);
+        const int32_t level = D.level;
+        D.n_level[level - 1]++;
+        D.ev_step.push_back(mem.n_steps_total);
+        D.ev_level.push_back(level);
+        D.ev_entropy.push_back((float) h);
+
+        if (mem.st) {
+            llama_kvp_sync(mem.st);
+        }
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            const uint32_t room = mem.n_room(ikv, 1);
+            if (level == 1) {
+                llama_kvp_host_thaw_frozen(mem, ikv, 2, INT_MIN, room);
+            } else if (level == 2) {
+                llama_kvp_host_thaw_frozen(mem, ikv, 1, mem.n_steps_total - p.span, room);
+            } else {
+                llama_kvp_host_thaw_all(mem, ikv, room);
+            }
+        }
+        if (level >= 3) { // the counts start again; the ladder's own statistics stay
+            auto ladder = std::move(mem.sched_state);
+            forget(mem, 0, -1);
+            mem.sched_state = std::move(ladder);
+        }
+        if (level == 4) {
+            D.level = 0;
+        }
+        return level;
     }
 };
+
+int32_t llama_kvp_freeze_recover(llama_kvp_memory & mem, const float * logits, int32_t n_vocab) {
+    return static_cast<const llama_kvp_schedule_freeze *>(llama_kvp_stage_schedule_freeze())->recover(mem, logits, n_vocab);
+}
+
+void llama_kvp_freeze_ladder(llama_kvp_memory & mem, int32_t * n_level, std::vector<int32_t> * step,
+                             std::vector<int32_t> * level, std::vector<float> * entropy) {
+    if (!mem.sched_state) {
+        return;
+    }
+    const auto & D = llama_kvp_ladder_of(mem);
+    for (int32_t i = 0; i < 4 && n_level; ++i) {
+        n_level[i] = D.n_level[i];
+    }
+    if (step) {
+        *step = D.ev_step;
+    }
+    if (level) {
+        *level = D.ev_level;
+    }
+    if (entropy) {
+        *entropy = D.ev_entropy;
+    }
+}
 
 const llama_kvp_stage * llama_kvp_stage_schedule_freeze() {
     static const llama_kvp_schedule_freeze stage;
