@@ -229,7 +229,7 @@ def markdown(res: Dict[str, Any]) -> str:
     if res.get("turn"):
         out += ["(c) The question in a second turn: the document (10% budget), 8 tokens of a first answer, then the "
                 "question; `+host+latent:gap=1` re-ranks active and host tokens at the question's first decode step.", "",
-                "| document | policy | found | host tokens brought back (per case, all layers) |", "|---:|---|---:|---|"]
+                "| document | policy | found | host tokens brought back (running total over the cases, all layers) |", "|---:|---|---:|---|"]
         for r in res["turn"]:
             out.append(f"| {r['length']} | `{r['spec']}` | {r['n_hit']}/{len(r['hits'])} | "
                        f"{', '.join(str(x) for x in r['promoted']) or '-'} |")

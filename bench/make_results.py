@@ -171,7 +171,10 @@ def freeze_section(path: Path) -> str:
 Raw: [results/{path.name}](results/{path.name}). {res['cpu']}, {res['threads']} threads. Every policy is fed the full
 cache's own greedy tokens one decode step at a time; KL and top-1 are against the full cache's next-token
 distribution at each step. Active tokens: tokens the layer caches hold, summed over layers (the full cache: tokens x
-layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost of the observation alone.
+layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost of the observation alone. With
+`z` > 0 the recovery ladder acts at levels 1-3 on these given tokens (a Rewalk needs a free generation).
+
+![active KV tokens over the generation](results/freeze_active.png)
 
 {freeze_markdown(res)}
 """
@@ -256,7 +259,8 @@ def main(argv: List[str] | None = None) -> int:
     freeze_json = res_dir / "freeze.json"
     if args.freeze:
         run([sys.executable, str(ROOT / "bench" / "freeze.py"), "-n", "500", "--policy", "freeze", "--policy",
-             "freeze:every=1", "--policy", "h2o:budget=100", "--policy", "h2o:budget=608", "-t", str(args.threads),
+             "freeze:every=1", "--policy", "freeze:z=2,rewalk=4", "--policy", "h2o:budget=100", "--policy",
+             "h2o:budget=608", "--plot", str(res_dir / "freeze_active.png"), "-t", str(args.threads),
              "-o", str(freeze_json)])
     extra_md = (summarise_section(summarise_json) + freeze_section(freeze_json) +
                 corpus_section(res_dir / "eval_numpy-docs.json"))

@@ -238,3 +238,19 @@ def test_recovery_ladder_climbs_acts_and_streams_the_same_text(model_path):
         assert h.n_recover[3] > 0 and h.n_thaw > 0
         assert len(llm.tokenize(texts[-1].encode(), add_bos=False)) >= 90  # max_tokens honoured, nothing lost
     assert texts[0] == texts[1]
+
+
+def test_kvbench_counts_the_ladder(model_path):
+    import json
+    import subprocess
+
+    from pykvcache import cli
+
+    cmd = [str(cli.kvbench_path()), "--no-progress", "--no-limit", "-p", "64", "-n", "48", "-r", "1", "-t", "2",
+           "--policy", LADDER, "-o", "json", "-m", model_path]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    rows = {r["label"]: r for r in json.loads(out.stdout)["results"]}
+    n = rows[LADDER]["n_recover"]
+    assert len(n) == 4 and n[0] > 0 and sum(n) >= n[0]
+    assert rows["full"]["n_recover"] == [0, 0, 0, 0]
