@@ -38,6 +38,13 @@ PROMPT = ("Write a long, detailed story about a lighthouse keeper on a remote is
           "Describe the island, the storms, the people she writes to, and how the message changes her life.\n\n")
 
 
+def make_llama(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int) -> Llama:
+    """A context for one policy, as every part of the benchmark makes it (flash attention, 512-token batches)."""
+    kw: Dict[str, Any] = {"model_path": model} if model else {}
+    return Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                 flash_attn=True, verbose=False, **kw)
+
+
 def logits(llm: Llama) -> np.ndarray:
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
@@ -53,9 +60,7 @@ def active_tokens(llm: Llama) -> int:
 def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, prompt: List[int],
                     ref: Optional[List[int]], n_gen: int) -> Dict[str, Any]:
     """Teacher-forced pass over ref (or a greedy run when ref is None): log-probs, active tokens per step, time."""
-    kw: Dict[str, Any] = {"model_path": model} if model else {}
-    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                flash_attn=True, verbose=False, **kw)
+    llm = make_llama(model, spec, n_ctx, threads)
     t0 = time.perf_counter()
     llm.eval(prompt)
     t_prompt = time.perf_counter() - t0
@@ -95,9 +100,7 @@ def open_generation(model: Optional[str], spec: Optional[str], n_ctx: int, threa
 
 def timed(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, prompt: List[int], ref: List[int]) -> float:
     """Seconds of the decode steps of a teacher-forced pass over ref (the work of a generation), nothing recorded."""
-    kw: Dict[str, Any] = {"model_path": model} if model else {}
-    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                flash_attn=True, verbose=False, **kw)
+    llm = make_llama(model, spec, n_ctx, threads)
     llm.eval(prompt)
     ladder = ladder_of(llm)
     t0 = time.perf_counter()
@@ -120,9 +123,7 @@ def compare(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:
 
 
 def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
-    kw: Dict[str, Any] = {"model_path": model} if model else {}
-    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                flash_attn=True, verbose=False, **kw)
+    llm = make_llama(model, spec, n_ctx, threads)
     hits, active = [], []
     for c in cases:
         llm.reset()
@@ -160,9 +161,7 @@ def turn_cases(llm: Llama, hay: str, n_tokens: int, depths: List[float], seed: i
 
 def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, cases: List[Dict[str, Any]],
                 n_first: int = 8) -> Dict[str, Any]:
-    kw: Dict[str, Any] = {"model_path": model} if model else {}
-    llm = Llama(n_ctx=n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                flash_attn=True, verbose=False, **kw)
+    llm = make_llama(model, spec, n_ctx, threads)
     hits, promoted = [], []
     for c in cases:
         llm.reset()
