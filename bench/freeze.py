@@ -318,7 +318,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         nl.close()
         specs = [None]
         for pol in args.turn_policies.split(","):
-            specs += [pol, pol + "+host+latent:gap=1"]
+            specs += [pol, pol + "+host+latent:gap=1", pol + "+host+latent:gap=0"]
         for spec in specs:
             r = second_turn(args.model, spec, n + 128, threads, cases)
             r["length"] = n

@@ -56,6 +56,9 @@ class Llama(llama_cpp.Llama):
         self._kv_reuse = kv_reuse
         policy = as_policy(kv_policy)
         self._kv_policy = policy
+        # latent re-ranking at the end of each prompt (schedule `latent` with gap=0)
+        self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] == "latent"
+                               and int(policy.to_native().gap) == 0)
         if rpc_servers:
             from .rpc import add_servers
 
@@ -116,6 +119,7 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         pol = self._kv_policy
+        n_in = len(tokens)
         if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:
             # a new prompt on an empty cache: a fractional budget is resolved against its length
             _, lib = native()
@@ -139,6 +143,15 @@ class Llama(llama_cpp.Llama):
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
         super().eval(tokens)
+        if self._latent_at_end and n_in > 1:
+            # re-rank by the prompt's end (the question), then its last token again: the next token sees the result
+            _, lib = native()
+            if lib.llama_kvp_latent_rerank(self._native_ctx()) != 0:
+                raise RuntimeError(last_error())
+            last = int(self.input_ids[self.n_tokens - 1])
+            self.n_tokens -= 1
+            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+            super().eval([last])
 
     def _eval_without_logits(self, tokens: Sequence[int]) -> Sequence[int]:
         # every n_batch chunk but the last, with no output token; returns the last chunk

@@ -169,7 +169,7 @@ def test_host_telemetry_needs_a_host_tier(model_path):
 
 @pytest.mark.parametrize("spec,msg", [
     ("snapkv:budget=64+latent", "latent needs the host fate (+host)"),
-    ("snapkv:budget=64+host+latent:gap=0", "gap must be >= 1"),
+    ("snapkv:budget=64+host+latent:gap=-1", "gap must be >= 0"),
     ("snapkv:budget=64+host+latent:repeat=2", "repeat must be 0"),
 ])
 def test_bad_latent_specs(spec, msg):
@@ -183,7 +183,8 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
     fact = " The code of the blue locker is 4817."
     question = "\n\nWhat is the code of the blue locker? The code of the blue locker is"
     held = {}
-    for spec in ("snapkv:budget=96,guide=0+host", "snapkv:budget=96,guide=0+host+latent:gap=1"):
+    for spec in ("snapkv:budget=96,guide=0+host", "snapkv:budget=96,guide=0+host+latent:gap=1",
+                 "snapkv:budget=96,guide=0+host+latent:gap=0"):
         llm = make(model_path, spec)
         body = llm.tokenize(text.encode())[:500]
         f = llm.tokenize(fact.encode(), add_bos=False)
@@ -192,17 +193,21 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
         fpos = np.arange(200, 200 + len(f))
         llm.eval(llm.tokenize(question.encode(), add_bos=False))   # turn 2: the question
         tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-        llm.eval([tok])                                 # the first decode step re-ranks (gap=1)
+        llm.eval([tok])                                 # the first decode step re-ranks (gap=1; gap=0: the question's end)
+        assert llm.n_tokens == len(doc) + len(llm.tokenize(question.encode(), add_bos=False)) + 1
         h = llm.kv_host()
         held[spec] = (h.state[:, fpos] == HostTelemetry.ACTIVE).sum()
         mem = llm.kv_memory()
         assert all(b.n_used <= b.budget + 1 for b in mem.layers)
         assert h.n_active + h.n_host == h.state.shape[0] * llm.n_tokens  # nothing dropped
-        if "latent" in spec:
+        if "latent:gap=0" in spec:  # at the end of each prompt: the document's and the question's
+            assert h.n_rerank == 2 * h.state.shape[0] and h.n_promote > 0
+        elif "latent" in spec:
             assert h.n_rerank == h.state.shape[0] and h.n_promote > 0
         else:
             assert h.n_rerank == 0 and h.n_promote == 0
     assert held["snapkv:budget=96,guide=0+host+latent:gap=1"] > held["snapkv:budget=96,guide=0+host"]
+    assert held["snapkv:budget=96,guide=0+host+latent:gap=0"] > held["snapkv:budget=96,guide=0+host"]
 
 
 LADDER = "freeze:tau=2,k=1,every=1,z=0.3,rewalk=3,span=4"

@@ -215,5 +215,8 @@ int32_t llama_kvp_freeze_recover(llama_kvp_memory & mem, const float * logits, i
 void    llama_kvp_freeze_ladder (llama_kvp_memory & mem, int32_t * n_level, std::vector<int32_t> * step,
                                  std::vector<int32_t> * level, std::vector<float> * entropy);
 
+// re-ranks the active and host tokens of every layer now (schedule stage `latent`, stages/schedule-latent.cpp)
+void llama_kvp_latent_rerank(llama_kvp_memory & mem);
+
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

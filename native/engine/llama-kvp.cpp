@@ -671,3 +671,17 @@ int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int
     }
     return (int32_t) s.size();
 }
+
+int32_t llama_kvp_latent_rerank(struct llama_context * ctx) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE] != LLAMA_KVP_SCHEDULE_LATENT) {
+        llama_kvp_set_error("latent re-ranking needs the latent schedule (e.g. snapkv:budget=0.1+host+latent:gap=0)");
+        return -1;
+    }
+    llama_synchronize(ctx);
+    llama_kvp_latent_rerank(*mem);
+    return 0;
+}

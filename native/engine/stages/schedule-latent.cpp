@@ -37,8 +37,8 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
 
     std::string check(const llama_kvp_policy & p) const override {
         char buf[192];
-        if (p.gap < 1) {
-            snprintf(buf, sizeof(buf), "gap must be >= 1 decode step (got %d)", p.gap);
+        if (p.gap < 0) {
+            snprintf(buf, sizeof(buf), "gap must be >= 0 decode steps (got %d; 0: at the end of each prompt)", p.gap);
             return buf;
         }
         if (p.repeat != 0 && p.repeat != 1) {
@@ -64,7 +64,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
     void before_step(llama_kvp_memory & mem) const override {
         const llama_kvp_policy & p = mem.policy;
         const int32_t k = mem.n_since_prompt;
-        const bool due = p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap;
+        const bool due = p.gap > 0 && (p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap);
         if (!due || !mem.st) {
             return;
         }
@@ -73,7 +73,8 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         }
     }
 
-private:
+    // every layer re-ranked now (gap=0: the caller does it at the end of a prompt, then evaluates its last token
+    // again so that the next token's distribution sees the re-ranked cache)
     static void rerank(llama_kvp_memory & mem, int32_t ikv) {
         llama_kvp_context * st = mem.st;
         auto & L = mem.layers[ikv];
@@ -227,4 +228,10 @@ private:
 const llama_kvp_stage * llama_kvp_stage_schedule_latent() {
     static const llama_kvp_schedule_latent stage;
     return &stage;
+}
+
+void llama_kvp_latent_rerank(llama_kvp_memory & mem) {
+    for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+        llama_kvp_schedule_latent::rerank(mem, ikv);
+    }
 }
