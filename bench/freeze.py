@@ -122,6 +122,16 @@ def compare(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:
             "top1": float((a.argmax(-1) == b.argmax(-1)).mean())}
 
 
+def greedy_answer(llm: Llama, n: int) -> str:
+    """The text of n greedy tokens after what the context holds."""
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(logits(llm)))
+        out.append(tok)
+        llm.eval([tok])
+    return llm.detokenize(out).decode("utf-8", errors="replace")
+
+
 def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
     llm = make_llama(model, spec, n_ctx, threads)
     hits, active = [], []
@@ -129,12 +139,7 @@ def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int
         llm.reset()
         llm._ctx.kv_cache_seq_rm(-1, 0, -1)
         llm.eval(c["tokens"])
-        out = []
-        for _ in range(c["n_answer"]):
-            tok = int(np.argmax(logits(llm)))
-            out.append(tok)
-            llm.eval([tok])
-        hits.append(c["answer"] in llm.detokenize(out).decode("utf-8", errors="replace"))
+        hits.append(c["answer"] in greedy_answer(llm, c["n_answer"]))
         active.append(active_tokens(llm) / (llm.n_tokens * len(llm.kv_stats().layers)))
     llm.close()
     return {"spec": spec or "none", "hits": hits, "n_hit": int(sum(hits)), "active_share": float(np.mean(active))}
@@ -170,12 +175,7 @@ def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: 
         for _ in range(n_first):  # the first turn's answer
             llm.eval([int(np.argmax(logits(llm)))])
         llm.eval(c["question"])
-        out = []
-        for _ in range(6):
-            tok = int(np.argmax(logits(llm)))
-            out.append(tok)
-            llm.eval([tok])
-        hits.append(c["answer"] in llm.detokenize(out).decode("utf-8", errors="replace"))
+        hits.append(c["answer"] in greedy_answer(llm, 6))
         if spec and "+host" in llm.kv_policy.spec():
             promoted.append(llm.kv_host().n_promote)
     llm.close()

@@ -189,7 +189,6 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             const llama_pos p_recent = mem.pos_end - (llama_pos) n_recent;
             const float thr = p.tau/(float) n_seen;
 
-            llama_kvp_obs_layer_scores(st, ikv, acc, acc_pos);
             cells.clear();
             timers.clear();
             for (int32_t j = 0; j < n_kv; ++j) {
@@ -201,9 +200,17 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
                 const int32_t c   = S.update(pj, t, low, p.hist);
                 const int32_t d   = (int32_t) std::floor(std::sqrt((double) c)/p.k);
                 if (low && d > 0) {
-                    cells.push_back({ pj, (uint32_t) j, acc_pos[j] == pj ? acc[j] : 0.0f });
+                    cells.push_back({ pj, (uint32_t) j, 0.0f });
                     timers.push_back(d*std::max(1, p.every)); // d observation periods
                 }
+            }
+            if (cells.empty()) {
+                continue;
+            }
+            // the scores they take to the host tier (restored when they thaw): read only when something freezes
+            llama_kvp_obs_layer_scores(st, ikv, acc, acc_pos);
+            for (auto & c : cells) {
+                c.score = acc_pos[c.idx] == c.pos ? acc[c.idx] : 0.0f;
             }
             llama_kvp_host_freeze(mem, ikv, cells, timers);
             mem.compact(ikv); // the attention spans the active tokens only
