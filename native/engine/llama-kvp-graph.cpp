@@ -98,6 +98,21 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
     return (llm_graph_input_attn_kv *) gctx.res->add_input(std::move(inp));
 }
 
+ggml_tensor * llama_kvp_graph_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il) {
+    if (ggml_tensor * cur = llama_kvp_graph_sparse_attn(gctx, q, k, v, kq_mask, sinks, kq_scale, il)) {
+        return cur; // a prompt ubatch with sparse prefill
+    }
+    return llama_kvp_graph_observed_attn(gctx, q, k, v, kq_mask, sinks, kq_scale, il); // an observed decode step
+}
+
 llm_graph_input_attn_kv * llama_kvp_attn_inp_layer(llm_graph_input_attn_kv * inp, int il) {
     auto * pinp = dynamic_cast<llama_kvp_attn_input *>(inp);
     if (!pinp) {

@@ -212,9 +212,34 @@ void llama_kvp_graph_observe(
                           float   kq_scale,
                             int   il);
 
-// llm_graph_context::build_attn, instead of build_attn_mha: block-sparse attention of a prompt ubatch when the
-// policy's prefill stage is `sparse` and the layer qualifies, as [n_embd_head_v*n_head, n_tokens]; else nullptr
+// llm_graph_context::build_attn, instead of build_attn_mha: the attention of layer il computed by pykvcache, as
+// [n_embd_head_v*n_head, n_tokens], or nullptr for build_attn_mha (llama-kvp-graph.cpp)
 //   q: [n_embd_head, n_head, n_tokens], k, v: [n_embd_head, n_head_kv, n_kv, 1] views of the layer's cache
+ggml_tensor * llama_kvp_graph_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il);
+
+// the attention of an observed single-token step (window 1) computed so that it keeps its probabilities, which the
+// step's observation then takes instead of computing K·Q again: GGML_OP_SPARSE_ATTN_EXT's probabilities mode with
+// flash attention's layout (CPU), K·Q, softmax and P·V with V transposed (any backend); else nullptr
+ggml_tensor * llama_kvp_graph_observed_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il);
+
+// block-sparse attention of a prompt ubatch when the policy's prefill stage is `sparse` and the layer qualifies;
+// else nullptr
 ggml_tensor * llama_kvp_graph_sparse_attn(
         const llm_graph_context & gctx,
                     ggml_tensor * q,

@@ -11,6 +11,8 @@
 
 #include "llama-kvp-impl.h"
 
+#include "ggml-sparse-attn.h"
+
 #include "llama-arch.h"
 #include "llama-batch.h"
 #include "llama-context.h"
@@ -443,7 +445,8 @@ public:
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
 
-    llama_kvp_obs_cells & cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv);
+    // the set of layer ikv's cache; its mask is made when a layer of the set computes its own probabilities
+    llama_kvp_obs_cells & cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask);
 
     llama_kvp_context * st;
 
@@ -459,25 +462,30 @@ public:
     std::vector<llama_kvp_obs_cells> sets;
 };
 
-llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv) {
+llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask) {
     llama_kv_cache * kv = st->layer_kv(ikv);
+    llama_kvp_obs_cells * set = nullptr;
     for (auto & c : sets) {
         if (c.kv == kv) {
             GGML_ASSERT(c.n_kv == n_kv);
-            c.layers.push_back(ikv);
-            return c;
+            set = &c;
+            break;
         }
     }
-    llama_kvp_obs_cells c;
-    c.kv   = kv;
-    c.n_kv = n_kv;
-    c.mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
-    c.keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
-    ggml_set_input(c.mask);
-    ggml_set_input(c.keep);
-    c.layers.push_back(ikv);
-    sets.push_back(std::move(c));
-    return sets.back();
+    if (!set) {
+        sets.emplace_back();
+        set = &sets.back();
+        set->kv   = kv;
+        set->n_kv = n_kv;
+        set->keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
+        ggml_set_input(set->keep);
+    }
+    if (need_mask && !set->mask) {
+        set->mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
+        ggml_set_input(set->mask);
+    }
+    set->layers.push_back(ikv);
+    return *set;
 }
 
 bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
@@ -569,8 +577,8 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
             j_any = 0;
         }
 
-        float * m = (float *) c.mask->data;
-        for (int32_t s = 0; s < W; ++s) {
+        float * m = c.mask ? (float *) c.mask->data : nullptr;
+        for (int32_t s = 0; m && s < W; ++s) {
             float * row = m + (int64_t) s*n_kv;
             if (!valid[s]) {
                 std::fill(row, row + n_kv, -INFINITY);
@@ -584,7 +592,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
                 row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
             }
         }
-        if (st->mem) {
+        if (st->mem && m) {
             st->mem->mask_add_bias(c.layers[0], m, false, n_kv, W); // as in the attention the model computes
         }
 
@@ -624,11 +632,122 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
 
 static thread_local llama_kvp_context   * g_graph_st  = nullptr;
 static thread_local llama_kvp_obs_input * g_graph_inp = nullptr;
+// per model layer: the probabilities [n_kv, 1, n_head] of the decode step's attention when it was computed by
+// llama_kvp_graph_observed_attn, which the observation then takes instead of computing K·Q a second time
+static thread_local std::vector<ggml_tensor *> g_graph_probs;
 
 void llama_kvp_graph_begin(llama_kvp_context * kvp) {
     g_graph_st  = kvp;
     g_graph_inp = nullptr;
+    g_graph_probs.clear();
     llama_kvp_sparse_graph_begin(kvp);
+}
+
+// the graph's observation input, made by the first layer that needs it
+static llama_kvp_obs_input * llama_kvp_graph_obs_input(const llm_graph_context & gctx, llama_kvp_context * st, int64_t n_tokens) {
+    if (g_graph_inp && g_graph_inp->n_tokens == n_tokens) {
+        return g_graph_inp;
+    }
+    ggml_context * ctx0 = gctx.ctx0;
+
+    const int64_t W      = st->policy.window;
+    const int64_t n_head = st->n_head;
+
+    st->n_steps_call = llama_kvp_kv_access::n_ubatches(gctx.mctx);
+    const bool obs = st->want_obs(gctx.ubatch, st->n_steps_call);
+    auto inp = std::make_unique<llama_kvp_obs_input>(st, obs, st->want_entropy(obs, gctx.ubatch, st->n_steps_call), n_tokens);
+
+    const int64_t n_write = std::min<int64_t>(W, n_tokens);
+    inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
+    ggml_set_input(inp->ring_idx);
+    if (inp->obs) {
+        inp->weights   = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
+        inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
+        ggml_set_input(inp->weights);
+        ggml_set_input(inp->weights_h);
+        inp->head_w = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_head);
+        ggml_set_input(inp->head_w);
+    }
+    g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
+    return g_graph_inp;
+}
+
+ggml_tensor * llama_kvp_graph_observed_attn(
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il) {
+    llama_kvp_context * st = g_graph_st;
+    if (!st || !st->observing() || st->policy.window != 1 || gctx.cparams.training || kq_mask == nullptr) {
+        return nullptr;
+    }
+    if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
+        return nullptr;
+    }
+    const int64_t n_tokens = q->ne[2];
+    if (n_tokens != 1 || q->ne[1] != st->n_head || k->ne[3] != 1) {
+        return nullptr; // a prompt ubatch
+    }
+    const bool v_trans = v->nb[1] > v->nb[2];
+    if (!v_trans) {
+        // flash attention's layout: the op that also writes the probabilities, on the CPU only
+        if (kq_mask->type != GGML_TYPE_F16 || !ggml_is_contiguous(kq_mask) || kq_mask->ne[2] != 1 || kq_mask->ne[3] != 1) {
+            return nullptr;
+        }
+        for (const ggml_tensor * t : { k, v }) {
+            ggml_backend_buffer_t buf = t->view_src ? t->view_src->buffer : t->buffer;
+            if (!buf || !ggml_backend_buffer_is_host(buf)) {
+                return nullptr;
+            }
+        }
+    }
+    llama_kvp_obs_input * inp = llama_kvp_graph_obs_input(gctx, st, n_tokens);
+    if (!inp->obs) {
+        return nullptr;
+    }
+
+    ggml_context * ctx0 = gctx.ctx0;
+    const auto & hparams = gctx.hparams;
+
+    ggml_tensor * qp = ggml_permute(ctx0, q, 0, 2, 1, 3);                  // [d, 1, n_head]
+    ggml_tensor * kp = ggml_permute(ctx0, k, 0, 2, 1, 3);                  // [d, n_kv, n_head_kv]
+    ggml_tensor * vp = ggml_permute(ctx0, v, 0, 2, 1, 3);
+    ggml_tensor * probs;                                                   // [n_kv, 1, n_head]
+    ggml_tensor * cur;
+    if (v_trans) {
+        // as build_attn_mha computes it without flash attention, keeping the softmax
+        ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qp);
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        if (hparams.attn_soft_cap) {
+            kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
+            kq = ggml_tanh (ctx0, kq);
+            kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
+            kq_scale = 1.0f;
+        }
+        probs = ggml_soft_max_ext(ctx0, kq, kq_mask, kq_scale, hparams.f_max_alibi_bias);
+        ggml_soft_max_add_sinks(probs, sinks);
+        ggml_tensor * kqv = ggml_mul_mat(ctx0, vp, probs);                  // [d_v, 1, n_head]
+        cur = ggml_cont_2d(ctx0, ggml_permute(ctx0, kqv, 0, 2, 1, 3), kqv->ne[0]*kqv->ne[2], 1);
+    } else {
+        ggml_tensor * res = ggml_sparse_attn_ext_probs(ctx0, qp, kp, vp, kq_mask, kq_scale, hparams.f_max_alibi_bias,
+                hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f, 1, 64);
+        ggml_sparse_attn_ext_add_sinks(res, sinks);
+        ggml_format_name(res, "kvp_observed_attn-%d", il);
+        probs = ggml_sparse_attn_ext_probs_view(ctx0, res);
+        cur   = ggml_sparse_attn_ext_out(ctx0, res);                        // [d_v, n_head, 1], contiguous
+        cur   = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], 1);
+    }
+    ggml_format_name(probs, "kvp_attn_probs-%d", il);
+
+    if (g_graph_probs.size() < st->layer_of_il.size()) {
+        g_graph_probs.assign(st->layer_of_il.size(), nullptr);
+    }
+    g_graph_probs[il] = probs;
+    return cur;
 }
 
 void llama_kvp_graph_observe(
@@ -667,25 +786,7 @@ void llama_kvp_graph_observe(
     GGML_ASSERT(k->ne[3] == 1);
 
     // one input object per graph, shared by the layers
-    if (!g_graph_inp || g_graph_inp->n_tokens != n_tokens) {
-        st->n_steps_call = llama_kvp_kv_access::n_ubatches(gctx.mctx);
-        const bool obs = st->want_obs(gctx.ubatch, st->n_steps_call);
-        auto inp = std::make_unique<llama_kvp_obs_input>(st, obs, st->want_entropy(obs, gctx.ubatch, st->n_steps_call), n_tokens);
-
-        const int64_t n_write = std::min<int64_t>(W, n_tokens);
-        inp->ring_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_write);
-        ggml_set_input(inp->ring_idx);
-        if (inp->obs) {
-            inp->weights   = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, W, 1);
-            inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
-            ggml_set_input(inp->weights);
-            ggml_set_input(inp->weights_h);
-            inp->head_w = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_head);
-            ggml_set_input(inp->head_w);
-        }
-        g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
-    }
-    llama_kvp_obs_input * inp = g_graph_inp;
+    llama_kvp_obs_input * inp = llama_kvp_graph_obs_input(gctx, st, n_tokens);
 
     // write the last queries of the ubatch into the ring
     ggml_tensor * q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
@@ -699,28 +800,33 @@ void llama_kvp_graph_observe(
         return;
     }
     GGML_ASSERT(n_kv <= L.n_cells);
-    const auto & cells = inp->cells_for(ctx0, ikv, n_kv);
+    ggml_tensor * probs_attn = il < (int) g_graph_probs.size() ? g_graph_probs[il] : nullptr;
+    const auto & cells = inp->cells_for(ctx0, ikv, n_kv, probs_attn == nullptr);
 
     const auto & hparams = gctx.hparams;
 
-    // attention of the window queries over the layer's cells
-    ggml_tensor * qo = ggml_reshape_3d(ctx0, ring, d, n_head, W);
-    qo = ggml_permute(ctx0, qo, 0, 2, 1, 3);                    // [d, W, n_head]
-    ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3);       // [d, n_kv, n_head_kv]
+    // attention of the window queries over the layer's cells: the step's own when its attention computed them
+    ggml_tensor * probs = probs_attn;
+    if (!probs) {
+        ggml_tensor * qo = ggml_reshape_3d(ctx0, ring, d, n_head, W);
+        qo = ggml_permute(ctx0, qo, 0, 2, 1, 3);                    // [d, W, n_head]
+        ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3);       // [d, n_kv, n_head_kv]
 
-    ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qo);              // [n_kv, W, n_head]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
+        ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qo);              // [n_kv, W, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
 
-    if (hparams.attn_soft_cap) {
-        kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
-        kq = ggml_tanh (ctx0, kq);
-        kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
-        kq_scale = 1.0f;
+        if (hparams.attn_soft_cap) {
+            kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
+            kq = ggml_tanh (ctx0, kq);
+            kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
+            kq_scale = 1.0f;
+        }
+
+        probs = ggml_soft_max_ext(ctx0, kq, cells.mask, kq_scale, hparams.f_max_alibi_bias);
+        ggml_soft_max_add_sinks(probs, sinks);
+        ggml_format_name(probs, "kvp_probs-%d", il);
     }
-
-    ggml_tensor * probs = ggml_soft_max_ext(ctx0, kq, cells.mask, kq_scale, hparams.f_max_alibi_bias);
-    ggml_soft_max_add_sinks(probs, sinks);
-    ggml_format_name(probs, "kvp_probs-%d", il);
+    GGML_ASSERT(probs->ne[0] == n_kv && probs->ne[1] == W && probs->ne[2] == n_head);
 
     // entropy per head: -sum_j p log p, averaged over the valid window queries
     if (inp->ent) {

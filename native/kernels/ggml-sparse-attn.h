@@ -15,6 +15,12 @@
 //   result [DV, n_head, n_q, 1]        F32, the layout of ggml_flash_attn_ext
 //
 // Heads of one KV group may list different blocks. With every block listed the result equals flash attention's.
+//
+// ggml_sparse_attn_ext_probs: every block, and the attention probabilities as well (what an observation of the
+// attention needs, without computing K·Q twice). The result is then [DV, n_head, n_q, 1 + ceil(n_kv/DV)]: slice 0
+// of dim 3 is the attention output above, the slices after it hold the probabilities as F32 [n_kv, n_q, n_head]
+// (contiguous, from byte nb[3]; softmax over the cells with mask, softcap, ALiBi and sinks, a sink's share not
+// among the cells); ggml_sparse_attn_ext_out and ggml_sparse_attn_ext_probs_view take the two views. CPU only.
 #pragma once
 
 #include "ggml.h"
@@ -37,6 +43,27 @@ GGML_API struct ggml_tensor * ggml_sparse_attn_ext(
         float                 logit_softcap,
         int32_t               q_block,
         int32_t               k_block);
+
+// every key block of every query (blocks of k_block cells), with the probabilities in the result (see above)
+GGML_API struct ggml_tensor * ggml_sparse_attn_ext_probs(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        float                 scale,
+        float                 max_bias,
+        float                 logit_softcap,
+        int32_t               q_block,
+        int32_t               k_block);
+
+// whether a GGML_OP_SPARSE_ATTN_EXT node writes the probabilities
+GGML_API bool ggml_sparse_attn_ext_has_probs(const struct ggml_tensor * a);
+
+// views of a ggml_sparse_attn_ext_probs node: the attention output [DV, n_head, n_q] and the probabilities
+// [n_kv, n_q, n_head]
+GGML_API struct ggml_tensor * ggml_sparse_attn_ext_out       (struct ggml_context * ctx, struct ggml_tensor * a);
+GGML_API struct ggml_tensor * ggml_sparse_attn_ext_probs_view(struct ggml_context * ctx, struct ggml_tensor * a);
 
 // attention sinks per head (F32 [n_head]), as ggml_flash_attn_ext_add_sinks
 GGML_API void ggml_sparse_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);

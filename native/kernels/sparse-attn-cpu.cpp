@@ -3,7 +3,9 @@
 // One task per (query block, head), handed out to the threads through the threadpool's chunk counter. A task keeps
 // its query block in f32 and walks the key blocks it lists with the online softmax of the CPU flash-attention kernel
 // (tiled path): KQ = Q K^T as a small GEMM, scale, softcap, mask, running max and sum, VKQ += softmax(KQ) V. Keys and
-// values of any type with to_float are converted to f32 one block at a time.
+// values of any type with to_float are converted to f32 one block at a time. With the probabilities asked for
+// (ggml_sparse_attn_ext_probs: every block), a task also keeps its rows' masked scores in the result's probability
+// slices and turns them into exp(s - max)/sum once its final max and sum are known.
 
 #include "ggml-sparse-attn.h"
 
@@ -16,6 +18,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#if defined(__AVX__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 // f32 scratch per thread: Q (qb*DK), KQ (qb*kb), mask (qb*kb), VKQ (qb*DV), V (kb*DV), K^T (kb*DK), K rows (kb*DK),
 // max and sum (2*qb)
@@ -45,6 +51,94 @@ static void ggml_sparse_attn_rows_f32(const ggml_tensor * t, int64_t c0, int64_t
     }
 }
 
+// y += v*x for F16 x and F32 y (flash attention's ggml_vec_mad_f16 accumulates in F16)
+static void ggml_sparse_attn_mad_f16(int64_t n, float * y, const ggml_fp16_t * x, float v) {
+    int64_t i = 0;
+#if defined(__AVX__) && defined(__F16C__) && defined(__FMA__)
+    const __m256 vv = _mm256_set1_ps(v);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 vx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vx, vv, _mm256_loadu_ps(y + i)));
+    }
+#endif
+    for (; i < n; ++i) {
+        y[i] += GGML_CPU_FP16_TO_FP32(x[i])*v;
+    }
+}
+
+// one query row (q_block 1) against every cell with the probabilities kept, for F16 K and V (an observed decode
+// step): the scores as flash attention computes them (vec_dot_f16 of the scaled query), an exact softmax over the
+// row written to P, then VKQ = P V
+static void ggml_sparse_attn_ext_row_f16(ggml_tensor * dst, int64_t iq, int64_t ih, float slope, float scale,
+        float logit_softcap, float * P, float * wdata) {
+    const ggml_tensor * q     = dst->src[0];
+    const ggml_tensor * k     = dst->src[1];
+    const ggml_tensor * v     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[6];
+
+    const int64_t DK     = k->ne[0];
+    const int64_t DV     = v->ne[0];
+    const int64_t n_kv   = k->ne[1];
+    const int64_t n_head = q->ne[2];
+    const int64_t ik     = ih/(n_head/k->ne[2]);
+    const int64_t iv     = ih/(n_head/v->ne[2]);
+
+    float       * VKQ = wdata;
+    float       * Qf  = VKQ + DV;
+    ggml_fp16_t * Q16 = (ggml_fp16_t *) (Qf + DK);
+
+    memcpy(Qf, (const char *) q->data + iq*q->nb[1] + ih*q->nb[2], DK*sizeof(float));
+    ggml_vec_scale_f32((int) DK, Qf, scale);
+    ggml_cpu_fp32_to_fp16(Qf, Q16, DK);
+
+    // mask (0 where there is none), then the scores of the visible cells
+    if (mask) {
+        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + iq*mask->nb[1]), P, n_kv);
+        if (slope != 1.0f) {
+            ggml_vec_scale_f32((int) n_kv, P, slope);
+        }
+    } else {
+        memset(P, 0, n_kv*sizeof(float));
+    }
+    float m = -INFINITY;
+    for (int64_t c = 0; c < n_kv; ++c) {
+        if (P[c] == -INFINITY) {
+            continue;
+        }
+        float sc = 0.0f;
+        ggml_vec_dot_f16((int) DK, &sc, 0, (ggml_fp16_t *) ((char *) k->data + c*k->nb[1] + ik*k->nb[2]), 0, Q16, 0, 1);
+        if (logit_softcap != 0.0f) {
+            sc = logit_softcap*tanhf(sc);
+        }
+        P[c] += sc;
+        m = std::max(m, P[c]);
+    }
+    const float s_sink = sinks ? ((const float *) sinks->data)[ih] : -INFINITY;
+    m = std::max(m, s_sink);
+
+    memset(VKQ, 0, DV*sizeof(float));
+    float inv = 0.0f;
+    if (m != -INFINITY) {
+        double sum = ggml_vec_soft_max_f32((int) n_kv, P, P, m);
+        if (sinks) {
+            sum += expf(s_sink - m);
+        }
+        inv = sum == 0.0 ? 0.0f : (float) (1.0/sum);
+        for (int64_t c = 0; c < n_kv; ++c) {
+            if (P[c] == 0.0f) {
+                continue;
+            }
+            ggml_sparse_attn_mad_f16(DV, VKQ, (const ggml_fp16_t *) ((const char *) v->data + c*v->nb[1] + iv*v->nb[2]), P[c]);
+        }
+        ggml_vec_scale_f32((int) DV, VKQ, inv);
+        ggml_vec_scale_f32((int) n_kv, P, inv);
+    } else {
+        memset(P, 0, n_kv*sizeof(float)); // nothing visible (the scores are -inf)
+    }
+    memcpy((char *) dst->data + iq*dst->nb[2] + ih*dst->nb[1], VKQ, DV*sizeof(float));
+}
+
 static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_tensor * dst, int64_t iqb, int64_t ih, float * wdata) {
     const ggml_tensor * q      = dst->src[0];
     const ggml_tensor * k      = dst->src[1];
@@ -53,6 +147,7 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     const ggml_tensor * blocks = dst->src[4];
     const ggml_tensor * counts = dst->src[5];
     const ggml_tensor * sinks  = dst->src[6];
+    const bool          probs  = ggml_sparse_attn_ext_has_probs(dst);
     (void) params;
 
     const int64_t DK     = k->ne[0];
@@ -63,7 +158,7 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     const int64_t QB     = ggml_sparse_attn_ext_q_block(dst);
     const int64_t KB     = ggml_sparse_attn_ext_k_block(dst);
     const int64_t n_kb   = (n_kv + KB - 1)/KB;
-    const int64_t n_list = blocks->ne[0];
+    const int64_t n_list = blocks ? blocks->ne[0] : n_kb; // no list: every block
 
     float scale         = 1.0f;
     float max_bias      = 0.0f;
@@ -83,6 +178,12 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
 
     const int64_t q0   = iqb*QB;
     const int64_t rows = std::min(QB, n_q - q0);
+
+    if (probs && QB == 1 && k->type == GGML_TYPE_F16 && v->type == GGML_TYPE_F16) {
+        float * P = (float *) ((char *) dst->data + dst->nb[3]) + (ih*n_q + q0)*n_kv;
+        ggml_sparse_attn_ext_row_f16(dst, q0, ih, slope, scale, logit_softcap, P, wdata);
+        return;
+    }
 
     float * Qf   = wdata;
     float * KQ   = Qf   + QB*DK;
@@ -106,12 +207,18 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     }
     memset(VKQ, 0, QB*DV*sizeof(float));
 
-    const int32_t * list  = (const int32_t *) ((const char *) blocks->data + iqb*blocks->nb[1] + ih*blocks->nb[2]);
-    const int32_t   count = std::max<int32_t>(0, std::min<int32_t>((int32_t) n_list,
+    const int32_t * list  = blocks ? (const int32_t *) ((const char *) blocks->data + iqb*blocks->nb[1] + ih*blocks->nb[2]) : nullptr;
+    const int32_t   count = !blocks ? (int32_t) n_kb : std::max<int32_t>(0, std::min<int32_t>((int32_t) n_list,
                                 *(const int32_t *) ((const char *) counts->data + iqb*counts->nb[0] + ih*counts->nb[1])));
 
+    // probabilities of row r: [n_kv] floats, the scores until the end of the task (-inf: a cell never visited)
+    float * P0 = probs ? (float *) ((char *) dst->data + dst->nb[3]) + (ih*n_q + q0)*n_kv : nullptr;
+    for (int64_t r = 0; probs && r < rows; ++r) {
+        std::fill(P0 + r*n_kv, P0 + (r + 1)*n_kv, -INFINITY);
+    }
+
     for (int32_t il = 0; il < count; ++il) {
-        const int64_t ib = list[il];
+        const int64_t ib = list ? list[il] : il;
         if (ib < 0 || ib >= n_kb) {
             continue;
         }
@@ -182,6 +289,10 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
             ggml_vec_add_f32((int) (QB*KB), KQ, KQ, M32);
         }
 
+        for (int64_t r = 0; probs && r < rows; ++r) {
+            memcpy(P0 + r*n_kv + c0, KQ + r*KB, nc*sizeof(float));
+        }
+
         // online softmax per row
         for (int64_t r = 0; r < QB; ++r) {
             float * kr = KQ + r*KB;
@@ -224,6 +335,14 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
         }
         const float inv = Sm[r] == 0.0f ? 0.0f : 1.0f/Sm[r];
         ggml_vec_scale_f32((int) DV, VKQ + r*DV, inv);
+        if (probs) {
+            // scores -> probabilities with the row's final max and sum (the sink's term is in the sum)
+            float * pr = P0 + r*n_kv;
+            const float m = sinks ? std::max(Mx[r], s_sink) : Mx[r];
+            for (int64_t c = 0; c < n_kv; ++c) {
+                pr[c] = pr[c] == -INFINITY ? 0.0f : expf(pr[c] - m)*inv;
+            }
+        }
         // result [DV, n_head, n_q]
         memcpy((char *) dst->data + (q0 + r)*dst->nb[2] + ih*dst->nb[1], VKQ + r*DV, DV*sizeof(float));
     }

@@ -477,6 +477,9 @@ bool ggml_cuda_sparse_attn_ext_supported(int device, const ggml_tensor * op) {
     if (op->type != GGML_TYPE_F32 || !q || !k || !v || !blocks || !counts) {
         return false;
     }
+    if (ggml_sparse_attn_ext_has_probs(op)) {
+        return false; // the probabilities are written by the CPU kernel only
+    }
     if (q->type != GGML_TYPE_F32 || q->nb[0] != sizeof(float)) {
         return false;
     }

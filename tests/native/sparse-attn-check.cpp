@@ -8,7 +8,10 @@
 //       in random order, sometimes with out-of-range ids, and valid ids past the count that must not be visited) the
 //       op must equal a dense reference computed in double on the host from the dequantized K/V, with the mask plus
 //       -inf outside the listed blocks; rows that see nothing must be exactly 0;
-//   (c) on each non-CPU backend that reports supports_op for the node, the op must equal the CPU backend's output.
+//   (c) on each non-CPU backend that reports supports_op for the node, the op must equal the CPU backend's output;
+//   (d) the probabilities mode (ggml_sparse_attn_ext_probs, every block; CPU only), with a query block of 1 in half
+//       the cases of each type (the single-row path of observed decode steps) and the case's own in the others: its
+//       output must equal ggml_flash_attn_ext, its probabilities the reference's softmax (rows that see nothing: 0 everywhere).
 // Errors are the normalized mean squared error NMSE = sum((a-b)^2)/sum(b^2) (b the reference) against the threshold
 // test-backend-ops uses for flash attention (5e-4), and the max abs error. One JSON object goes to stdout; the exit
 // code is 1 if any case fails.
@@ -397,21 +400,76 @@ static host_data make_data(const check_case & c, std::mt19937_64 & rng, bool cor
 // ---------------------------------------------------------------------------------------------------------------------
 // the dense reference (double, host): mask plus -inf outside the listed blocks; rows that see nothing are 0
 
+// the ALiBi slope of head h (1 without ALiBi), as flash attention computes it
+static double ref_slope(const check_case & c, int64_t h) {
+    if (c.max_bias <= 0.0f) {
+        return 1.0;
+    }
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) c.n_head));
+    const double m0 = pow(2.0, -(double) c.max_bias/n_head_log2);
+    const double m1 = pow(2.0, -(double) c.max_bias/2.0/n_head_log2);
+    return h < (int64_t) n_head_log2 ? pow(m0, h + 1) : pow(m1, 2*(h - n_head_log2) + 1);
+}
+
+// the masked score of query iq of head h for cell j (-inf where the mask hides it), in double
+static double ref_score(const check_case & c, const host_data & hd, int64_t h, int64_t iq, int64_t j, double slope) {
+    const double mv = c.mask == MASK_NONE ? 0.0 : (double) hd.maskf[iq*c.n_kv + j];
+    if (mv == -INFINITY) {
+        return -INFINITY;
+    }
+    const int64_t hk = h/(c.n_head/c.n_head_kv);
+    const float * q = hd.q.data() + (h*c.n_q + iq)*c.D;
+    const float * k = hd.kf.data() + (hk*c.n_kv + j)*c.D;
+    double dot = 0.0;
+    for (int64_t d = 0; d < c.D; ++d) { dot += (double) q[d]*(double) k[d]; }
+    double x = dot*c.scale;
+    if (c.softcap != 0.0f) {
+        x = c.softcap*tanh(x/c.softcap);
+    }
+    return x + slope*mv;
+}
+
+// the probabilities of every cell with every block visible, [n_head][n_q][n_kv], in double on the host
+static void reference_probs(const check_case & c, const host_data & hd, std::vector<float> & probs) {
+    probs.assign(c.n_head*c.n_q*c.n_kv, 0.0f);
+
+    std::vector<double> s(c.n_kv);
+    for (int64_t h = 0; h < c.n_head; ++h) {
+        const double slope = ref_slope(c, h);
+        for (int64_t iq = 0; iq < c.n_q; ++iq) {
+            double M = -INFINITY;
+            for (int64_t j = 0; j < c.n_kv; ++j) {
+                s[j] = ref_score(c, hd, h, iq, j, slope);
+                M = std::max(M, s[j]);
+            }
+            if (M == -INFINITY) {
+                continue; // nothing visible: 0
+            }
+            const double sink = c.sinks ? (double) hd.sinks[h] : -INFINITY;
+            M = std::max(M, sink);
+            double sum = c.sinks ? exp(sink - M) : 0.0;
+            for (int64_t j = 0; j < c.n_kv; ++j) {
+                sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - M);
+            }
+            float * p = probs.data() + (h*c.n_q + iq)*c.n_kv;
+            for (int64_t j = 0; j < c.n_kv; ++j) {
+                p[j] = s[j] == -INFINITY ? 0.0f : (float) (exp(s[j] - M)/sum);
+            }
+        }
+    }
+}
+
 static void reference(const check_case & c, const host_data & hd, std::vector<float> & out, std::vector<char> & visible) {
     const int64_t n_qb = c.n_qb();
     const int64_t n_kb = c.n_kb();
     out.assign(c.D*c.n_head*c.n_q, 0.0f);
     visible.assign(c.n_head*c.n_q, 0);
 
-    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) c.n_head));
-    const double m0 = pow(2.0, -(double) c.max_bias/n_head_log2);
-    const double m1 = pow(2.0, -(double) c.max_bias/2.0/n_head_log2);
-
     std::vector<char>   allowed(n_kb);
     std::vector<double> s(c.n_kv);
     std::vector<double> acc(c.D);
     for (int64_t h = 0; h < c.n_head; ++h) {
-        const double slope = c.max_bias > 0.0f ? (h < (int64_t) n_head_log2 ? pow(m0, h + 1) : pow(m1, 2*(h - n_head_log2) + 1)) : 1.0;
+        const double slope = ref_slope(c, h);
         const int64_t hk = h/(c.n_head/c.n_head_kv);
         for (int64_t qb = 0; qb < n_qb; ++qb) {
             std::fill(allowed.begin(), allowed.end(), 0);
@@ -423,28 +481,12 @@ static void reference(const check_case & c, const host_data & hd, std::vector<fl
                 }
             }
             for (int64_t iq = qb*c.QB; iq < std::min(c.n_q, (qb + 1)*c.QB); ++iq) {
-                const float * q = hd.q.data() + (h*c.n_q + iq)*c.D;
                 double M = -INFINITY;
                 bool any = false;
                 for (int64_t j = 0; j < c.n_kv; ++j) {
-                    s[j] = -INFINITY;
-                    if (!allowed[j/c.KB]) {
-                        continue;
-                    }
-                    const double mv = c.mask == MASK_NONE ? 0.0 : (double) hd.maskf[iq*c.n_kv + j];
-                    if (mv == -INFINITY) {
-                        continue;
-                    }
-                    const float * k = hd.kf.data() + (hk*c.n_kv + j)*c.D;
-                    double dot = 0.0;
-                    for (int64_t d = 0; d < c.D; ++d) { dot += (double) q[d]*(double) k[d]; }
-                    double x = dot*c.scale;
-                    if (c.softcap != 0.0f) {
-                        x = c.softcap*tanh(x/c.softcap);
-                    }
-                    s[j] = x + slope*mv;
+                    s[j] = allowed[j/c.KB] ? ref_score(c, hd, h, iq, j, slope) : -INFINITY;
                     M = std::max(M, s[j]);
-                    any = true;
+                    any = any || s[j] != -INFINITY;
                 }
                 if (!any) {
                     continue; // nothing visible: 0 (with or without a sink)
@@ -477,17 +519,17 @@ static void reference(const check_case & c, const host_data & hd, std::vector<fl
 // running the graph on one backend
 
 struct run_result {
-    bool ran_fa = false, ran_full = false, ran_sub = false;
+    bool ran_fa = false, ran_full = false, ran_sub = false, ran_probs = false;
     bool sparse_supported = false;
     std::string error;
-    std::vector<float> fa, full, sub;
+    std::vector<float> fa, full, sub, probs_out, probs;
 };
 
 static run_result run_case(ggml_backend_t backend, bool is_cpu, const check_case & c, const host_data & hd) {
     run_result res;
 
     ggml_init_params ip = {
-        /*.mem_size   =*/ ggml_tensor_overhead()*32 + ggml_graph_overhead(),
+        /*.mem_size   =*/ ggml_tensor_overhead()*40 + ggml_graph_overhead(),
         /*.mem_buffer =*/ nullptr,
         /*.no_alloc   =*/ true,
     };
@@ -523,8 +565,14 @@ static run_result run_case(ggml_backend_t backend, bool is_cpu, const check_case
     ggml_sparse_attn_ext_add_sinks(sp_full, sinks);
     ggml_tensor * sp_sub  = ggml_sparse_attn_ext(ctx, q, k, v, mask, blocks_sub,  counts_sub,  c.scale, c.max_bias, c.softcap, (int32_t) c.QB, (int32_t) c.KB);
     ggml_sparse_attn_ext_add_sinks(sp_sub, sinks);
+    ggml_tensor * sp_probs = ggml_sparse_attn_ext_probs(ctx, q, k, v, mask, c.scale, c.max_bias, c.softcap, (int32_t) ((c.idx/4) % 2 == 0 ? 1 : c.QB), (int32_t) c.KB);
+    ggml_sparse_attn_ext_add_sinks(sp_probs, sinks);
 
     res.ran_fa          = ggml_backend_supports_op(backend, fa);
+    res.ran_probs       = ggml_backend_supports_op(backend, sp_probs);
+    if (is_cpu && !res.ran_probs) {
+        res.error = "the CPU backend does not support the probabilities mode";
+    }
     res.sparse_supported = ggml_backend_supports_op(backend, sp_full) && ggml_backend_supports_op(backend, sp_sub);
     res.ran_full = res.ran_sub = res.sparse_supported;
     if (is_cpu && (!res.ran_fa || !res.sparse_supported)) {
@@ -542,6 +590,9 @@ static run_result run_case(ggml_backend_t backend, bool is_cpu, const check_case
     }
     ggml_build_forward_expand(gf, sp_full);
     ggml_build_forward_expand(gf, sp_sub);
+    if (res.ran_probs) {
+        ggml_build_forward_expand(gf, sp_probs);
+    }
 
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
     if (!buf) {
@@ -579,6 +630,12 @@ static run_result run_case(ggml_backend_t backend, bool is_cpu, const check_case
         res.sub.resize(n);
         ggml_backend_tensor_get(sp_full, res.full.data(), 0, n*sizeof(float));
         ggml_backend_tensor_get(sp_sub,  res.sub.data(),  0, n*sizeof(float));
+        if (res.ran_probs) {
+            res.probs_out.resize(n);
+            res.probs.resize((size_t) (c.n_head*c.n_q*c.n_kv));
+            ggml_backend_tensor_get(sp_probs, res.probs_out.data(), 0, n*sizeof(float));
+            ggml_backend_tensor_get(sp_probs, res.probs.data(), sp_probs->nb[3], res.probs.size()*sizeof(float));
+        }
     }
 
     ggml_backend_buffer_free(buf);
@@ -735,6 +792,8 @@ int main(int argc, char ** argv) {
 
     int n_fail = 0;
     double max_nmse_flash = 0.0, max_abs_flash = 0.0, max_nmse_ref = 0.0, max_abs_ref = 0.0;
+    double max_nmse_probs_flash = 0.0, max_nmse_probs_ref = 0.0, max_abs_probs_ref = 0.0;
+    int n_probs = 0;
     int64_t n_out_of_range = 0, n_clamped = 0, n_trap = 0, n_dead_rows = 0, n_rows = 0;
     std::vector<std::string> failures;
     std::map<std::string, int> per_type_fail;
@@ -797,6 +856,20 @@ int main(int argc, char ** argv) {
             if (!b_cpu.ok()) { why.push_back(cmp_str("(b) CPU vs reference", b_cpu)); }
             check_dead_rows(rc.sub, "CPU");
         }
+        if (rc.ran_probs) {
+            std::vector<float> ref_p;
+            reference_probs(c, hd, ref_p);
+            n_probs++;
+            if (rc.ran_fa) {
+                const cmp_result d_out = compare(rc.probs_out, rc.fa);
+                max_nmse_probs_flash = std::max(max_nmse_probs_flash, d_out.nmse);
+                if (!d_out.ok()) { why.push_back(cmp_str("(d) CPU probabilities mode vs flash_attn_ext", d_out)); }
+            }
+            const cmp_result d_p = compare(rc.probs, ref_p);
+            max_nmse_probs_ref = std::max(max_nmse_probs_ref, d_p.nmse);
+            max_abs_probs_ref  = std::max(max_abs_probs_ref,  d_p.max_abs);
+            if (!d_p.ok()) { why.push_back(cmp_str("(d) CPU probabilities vs reference", d_p)); }
+        }
 
         for (auto & ob : others) {
             if (!ob.backend) {
@@ -857,7 +930,9 @@ int main(int argc, char ** argv) {
     o << "{\"cases\": " << params.n_cases << ", \"fail\": " << n_fail << ", \"seed\": " << params.seed
       << ", \"nmse_threshold\": " << fmt(NMSE_THRESHOLD)
       << ", \"max_nmse_vs_flash\": " << fmt(max_nmse_flash) << ", \"max_abs_vs_flash\": " << fmt(max_abs_flash)
-      << ", \"max_nmse_vs_ref\": " << fmt(max_nmse_ref) << ", \"max_abs_vs_ref\": " << fmt(max_abs_ref);
+      << ", \"max_nmse_vs_ref\": " << fmt(max_nmse_ref) << ", \"max_abs_vs_ref\": " << fmt(max_abs_ref)
+      << ", \"probs\": {\"ran\": " << n_probs << ", \"max_nmse_out_vs_flash\": " << fmt(max_nmse_probs_flash)
+      << ", \"max_nmse_vs_ref\": " << fmt(max_nmse_probs_ref) << ", \"max_abs_vs_ref\": " << fmt(max_abs_probs_ref) << "}";
     if (params.corrupt) {
         o << ", \"corrupt_counts\": true";
     }
