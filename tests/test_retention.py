@@ -61,6 +61,28 @@ def test_nothing_evicted_means_the_full_cache(model_path):
         assert llm.kv_memory().n_evicted == 0
 
 
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_decode_observations_sum_the_rows_of_the_window(model_path, flash_attn):
+    """A window policy's decode steps keep each step's attention row; an observing step scores by the rows of the
+    window's queries (prompt rows first, then decode rows) instead of computing K.Q again. With nothing evicted that
+    is exactly the window's attention: it matches the float64 reference (same bound as test_observe's)."""
+    from reference_llama import reference_attention
+
+    llm = Llama(model_path, n_ctx=256, verbose=False, flash_attn=flash_attn,
+                kv_policy=SnapKV(budget=256, window=8, every=4, pool=1))
+    tokens = llm.tokenize(b"The three primary colors are red, blue and")
+    llm.eval(tokens)
+    for n_obs in (2, 3):  # after 4 decode steps the window holds 4 prompt rows, after 8 only decode rows
+        for _ in range(4):
+            tokens.append(int(np.argmax(last_logits(llm))))
+            llm.eval(tokens[-1:])
+        tel = llm.kv_telemetry()
+        assert tel.n_obs == n_obs and llm.kv_memory().n_evicted == 0
+        ref = reference_attention(model_path, tokens, 8).mass().mean(axis=1)
+        np.testing.assert_allclose(tel.mass_acc, ref, atol=0.03)
+        np.testing.assert_allclose(tel.mass_acc.sum(axis=-1), 1.0, rtol=1e-4)
+
+
 def test_guided_prefill_leaves_no_trace_without_eviction(model_path, essays):
     """Guided chunks run the prompt's end behind each chunk and then remove it: with nothing evicted, the cache holds
     exactly the prompt and the model answers as with the full cache."""

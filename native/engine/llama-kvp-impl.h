@@ -83,6 +83,13 @@ struct llama_kvp_obs_layer {
 
     std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
 
+    // decode-step rows (a retention policy whose window is longer than one query): each step's head-mean attention
+    // probabilities, kept per ring slot, so that an observing decode step sums rows instead of computing K·Q again
+    ggml_tensor * mass_rows = nullptr;   // F32 [n_cells, window]  row of ring slot s: its query's head-mean probabilities
+    std::vector<int32_t>   row_step;     // step that wrote each row (-1: none)
+    std::vector<int32_t>   cell_step;    // step from which each cell holds its token
+    std::vector<llama_pos> cell_pos_row; // position held by each cell when cell_step was set (-2: unknown)
+
     // sparse prefill state and telemetry (stages/prefill-sparse.cpp), nullptr without it
     ggml_context_ptr        sp_ctx;
     ggml_backend_buffer_ptr sp_buf;
@@ -142,6 +149,10 @@ struct llama_kvp_context {
 
     // the KV cache holding layer ikv
     llama_kv_cache * layer_kv(int32_t ikv) const;
+
+    // decode steps keep their attention rows (see llama_kvp_obs_layer::mass_rows): a retention policy (per-layer
+    // memory) observing a window of several queries
+    bool rows_mode() const { return obs_on && mem && policy.window > 1; }
 
     // does a graph for this ubatch (of a decode call split into n_ubatches) include the observation nodes?
     bool want_obs(const llama_ubatch & ubatch, size_t n_ubatches) const;

@@ -162,7 +162,7 @@ ggml_backend_buffer_t llama_kvp_layer_alloc(llama_kvp_context * st, int32_t ikv,
 // (re)allocates the observation tensors of one layer for n_cells cells, in the buffer type of the layer's K cache
 static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_cells) {
     auto & L = st->layers[ikv];
-    ggml_context * ctx = llama_kvp_layer_ctx(4, "observation buffers");
+    ggml_context * ctx = llama_kvp_layer_ctx(5, "observation buffers");
     L.ctx.reset(ctx);
     L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, st->policy.window);
     L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->n_head);
@@ -172,11 +172,19 @@ static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_c
     ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
     ggml_format_name(L.mass_acc, "kvp_mass_acc-%d", L.il);
     ggml_format_name(L.entropy,  "kvp_entropy-%d",  L.il);
+    L.mass_rows = nullptr;
+    if (st->mem && st->policy.window > 1) {
+        L.mass_rows = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->policy.window);
+        ggml_format_name(L.mass_rows, "kvp_mass_rows-%d", L.il);
+    }
 
     L.buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "observation buffer"));
     L.n_cells  = n_cells;
     L.n_kv_obs = 0;
     L.cell_pos_obs.assign(n_cells, -2);
+    L.row_step.assign(L.mass_rows ? st->policy.window : 0, -1);
+    L.cell_step.assign(L.mass_rows ? n_cells : 0, 0);
+    L.cell_pos_row.assign(L.mass_rows ? n_cells : 0, -2);
 }
 
 static void llama_kvp_update_n_cells(llama_kvp_context * st) {
@@ -434,25 +442,31 @@ struct llama_kvp_obs_cells {
     int64_t          n_kv = 0;
     ggml_tensor    * mask = nullptr; // F32 [n_kv, window]  0 / -INF (or ALiBi distance) per window query
     ggml_tensor    * keep = nullptr; // F32 [n_kv]          decay where the cell still holds the same token, else 0
+    ggml_tensor    * rsel = nullptr; // F32 [n_kv, window]  1 where a row counts for a cell (it held its token then)
     std::vector<int32_t> layers;     // KV layers using this set
 };
 
 class llama_kvp_obs_input : public llm_graph_input_i {
 public:
     llama_kvp_obs_input(llama_kvp_context * st, bool obs, bool ent, int64_t n_tokens) :
-        st(st), obs(obs), ent(ent), n_tokens(n_tokens) {}
+        st(st), obs(obs), ent(ent), rows(st->rows_mode() && n_tokens == 1 && !ent), n_tokens(n_tokens) {}
 
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
 
-    // the set of layer ikv's cache; its mask is made when a layer of the set computes its own probabilities
-    llama_kvp_obs_cells & cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask);
+    // the set of layer ikv's cache; its mask is made when a layer of the set computes its own probabilities, its
+    // row selection when a layer of the set sums its rows
+    llama_kvp_obs_cells & cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask, bool need_rows = false);
 
     llama_kvp_context * st;
 
     const bool    obs;
-    const bool    ent; // the observation computes the entropy (not needed by the decode steps of a retention policy)
+    const bool    ent;  // the observation computes the entropy (not needed by the decode steps of a retention policy)
+    const bool    rows; // a decode step that keeps its attention rows (llama_kvp_obs_layer::mass_rows)
     const int64_t n_tokens;
+
+    std::vector<int32_t> rows_one; // layers that wrote the row of this step's slot
+    std::vector<int32_t> rows_all; // layers that wrote the rows of every slot (an observation of the ring's queries)
 
     ggml_tensor * ring_idx  = nullptr; // I64 [n_write]           ring slots of the last n_write tokens
     ggml_tensor * weights   = nullptr; // F32 [window, 1]         1/n_valid for valid window queries, else 0
@@ -462,7 +476,7 @@ public:
     std::vector<llama_kvp_obs_cells> sets;
 };
 
-llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask) {
+llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask, bool need_rows) {
     llama_kv_cache * kv = st->layer_kv(ikv);
     llama_kvp_obs_cells * set = nullptr;
     for (auto & c : sets) {
@@ -483,6 +497,10 @@ llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_
     if (need_mask && !set->mask) {
         set->mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
         ggml_set_input(set->mask);
+    }
+    if (need_rows && !set->rsel) {
+        set->rsel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
+        ggml_set_input(set->rsel);
     }
     set->layers.push_back(ikv);
     return *set;
@@ -525,6 +543,34 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     st->n_steps++;
     if (ubatch->n_tokens == 1) {
         st->n_decode++;
+    }
+
+    // rows written by this step, and the step from which each cell of those layers holds its token
+    if (!rows_one.empty() || !rows_all.empty()) {
+        const int32_t now  = st->n_steps;
+        const int32_t slot = (int32_t) (ubatch->pos[n_tokens - 1] % W);
+        for (const auto * list : { &rows_one, &rows_all }) {
+            for (int32_t ikv : *list) {
+                auto & L = st->layers[ikv];
+                if (list == &rows_one) {
+                    L.row_step[slot] = now;
+                } else {
+                    std::fill(L.row_step.begin(), L.row_step.end(), now);
+                }
+                const llama_kv_cache * kv = st->layer_kv(ikv);
+                const uint32_t size = std::min<uint32_t>(kv->get_size(), (uint32_t) L.n_cells);
+                for (uint32_t j = 0; j < size; ++j) {
+                    const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, j);
+                    if (p != L.cell_pos_row[j]) {
+                        L.cell_pos_row[j] = p;
+                        L.cell_step[j]    = now;
+                    }
+                }
+            }
+        }
+    }
+    if (rows) {
+        std::fill((float *) head_w->data, (float *) head_w->data + st->n_head, 1.0f/st->n_head);
     }
 
     if (!obs) {
@@ -603,6 +649,17 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         for (int64_t j = 0; j < n_kv; ++j) {
             kp[j] = (pos[j] >= 0 && pos[j] == ref[j]) ? st->policy.decay : 0.0f;
         }
+
+        // rows that count for a cell: a valid slot's row written while the cell held its present token
+        if (c.rsel) {
+            const auto & L = st->layers[c.layers[0]];
+            float * rs = (float *) c.rsel->data;
+            for (int32_t s = 0; s < W; ++s) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    rs[(int64_t) s*n_kv + j] = valid[s] && pos[j] >= 0 && L.row_step[s] >= L.cell_step[j] ? 1.0f : 0.0f;
+                }
+            }
+        }
         for (int32_t ikv : c.layers) {
             auto & L = st->layers[ikv];
             for (int64_t j = 0; j < n_kv; ++j) {
@@ -665,6 +722,8 @@ static llama_kvp_obs_input * llama_kvp_graph_obs_input(const llm_graph_context &
         inp->weights_h = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, W, n_head);
         ggml_set_input(inp->weights);
         ggml_set_input(inp->weights_h);
+    }
+    if (inp->obs || inp->rows) {
         inp->head_w = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_head);
         ggml_set_input(inp->head_w);
     }
@@ -682,7 +741,7 @@ ggml_tensor * llama_kvp_graph_observed_attn(
                           float   kq_scale,
                             int   il) {
     llama_kvp_context * st = g_graph_st;
-    if (!st || !st->observing() || st->policy.window != 1 || gctx.cparams.training || kq_mask == nullptr) {
+    if (!st || !st->observing() || (st->policy.window != 1 && !st->rows_mode()) || gctx.cparams.training || kq_mask == nullptr) {
         return nullptr;
     }
     if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
@@ -706,8 +765,8 @@ ggml_tensor * llama_kvp_graph_observed_attn(
         }
     }
     llama_kvp_obs_input * inp = llama_kvp_graph_obs_input(gctx, st, n_tokens);
-    if (!inp->obs) {
-        return nullptr;
+    if (!inp->rows && !(inp->obs && st->policy.window == 1)) {
+        return nullptr; // nothing observes this step's own query
     }
 
     ggml_context * ctx0 = gctx.ctx0;
@@ -796,11 +855,32 @@ void llama_kvp_graph_observe(
     ggml_tensor * ring  = ggml_set_rows(ctx0, L.q_ring, q_new, inp->ring_idx);
     ggml_build_forward_expand(gf, ring);
 
+    GGML_ASSERT(n_kv <= L.n_cells);
+    ggml_tensor * probs_attn = il < (int) g_graph_probs.size() ? g_graph_probs[il] : nullptr;
+
+    // a decode step keeping its attention row: the head mean of its probabilities into the row of its ring slot;
+    // an observing step then scores by the rows of the window's queries that saw each cell's present token
+    if (inp->rows && probs_attn && L.mass_rows) {
+        ggml_tensor * mh = ggml_out_prod(ctx0, ggml_reshape_2d(ctx0, probs_attn, n_kv, n_head), inp->head_w); // [n_kv, 1]
+        ggml_tensor * rows = ggml_view_2d(ctx0, L.mass_rows, n_kv, W, L.mass_rows->nb[1], 0);
+        rows = ggml_set_rows(ctx0, rows, mh, inp->ring_idx);
+        ggml_build_forward_expand(gf, rows);
+        inp->rows_one.push_back(ikv);
+        if (!inp->obs) {
+            return;
+        }
+        const auto & cells = inp->cells_for(ctx0, ikv, n_kv, false, true);
+        ggml_tensor * w  = ggml_view_2d(ctx0, inp->weights_h, 1, W, inp->weights_h->nb[1], 0);    // [1, W]
+        ggml_tensor * mw = ggml_out_prod(ctx0, ggml_mul(ctx0, rows, cells.rsel), w);            // [n_kv, 1]
+        mw = ggml_reshape_1d(ctx0, mw, n_kv);
+        ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
+        ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, cells.keep), mw);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+        return;
+    }
     if (!inp->obs) {
         return;
     }
-    GGML_ASSERT(n_kv <= L.n_cells);
-    ggml_tensor * probs_attn = il < (int) g_graph_probs.size() ? g_graph_probs[il] : nullptr;
     const auto & cells = inp->cells_for(ctx0, ikv, n_kv, probs_attn == nullptr);
 
     const auto & hparams = gctx.hparams;
@@ -827,6 +907,14 @@ void llama_kvp_graph_observe(
         ggml_format_name(probs, "kvp_probs-%d", il);
     }
     GGML_ASSERT(probs->ne[0] == n_kv && probs->ne[1] == W && probs->ne[2] == n_head);
+
+    // with decode-step rows, an observation of the ring's queries (re)writes every row
+    if (L.mass_rows && !probs_attn) {
+        ggml_tensor * mh = ggml_out_prod(ctx0, ggml_reshape_2d(ctx0, probs, n_kv*W, n_head), inp->head_w); // [n_kv*W, 1]
+        ggml_tensor * rows = ggml_view_2d(ctx0, L.mass_rows, n_kv, W, L.mass_rows->nb[1], 0);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, ggml_reshape_2d(ctx0, mh, n_kv, W), rows));
+        inp->rows_all.push_back(ikv);
+    }
 
     // entropy per head: -sum_j p log p, averaged over the valid window queries
     if (inp->ent) {
@@ -941,7 +1029,35 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     const std::vector<llama_pos> old_pos = L.cell_pos_obs;
     const int32_t old_n_kv = L.n_kv_obs;
 
+    // the decode-step rows follow their cells
+    const int32_t old_n_cells = L.n_cells;
+    std::vector<float> rows(L.mass_rows ? ggml_nelements(L.mass_rows) : 0);
+    if (L.mass_rows) {
+        ggml_backend_tensor_get(L.mass_rows, rows.data(), 0, rows.size()*sizeof(float));
+    }
+    const std::vector<int32_t>   old_row_step     = L.row_step;
+    const std::vector<int32_t>   old_cell_step    = L.cell_step;
+    const std::vector<llama_pos> old_cell_pos_row = L.cell_pos_row;
+
     llama_kvp_obs_alloc(st, ikv, (int32_t) n_cells);
+
+    if (L.mass_rows && !rows.empty()) {
+        const int32_t W = st->policy.window;
+        std::vector<float> rows_new((size_t) n_cells*W, 0.0f);
+        for (uint32_t j = 0; j < n_cells && j < remap.size(); ++j) {
+            const int32_t o = remap[j];
+            if (o < 0 || o >= old_n_cells) {
+                continue;
+            }
+            for (int32_t r = 0; r < W; ++r) {
+                rows_new[(size_t) r*n_cells + j] = rows[(size_t) r*old_n_cells + o];
+            }
+            L.cell_step[j]    = old_cell_step[o];
+            L.cell_pos_row[j] = old_cell_pos_row[o];
+        }
+        L.row_step = old_row_step;
+        ggml_backend_tensor_set(L.mass_rows, rows_new.data(), 0, rows_new.size()*sizeof(float));
+    }
 
     std::vector<float> acc_new(n_cells, 0.0f);
     int32_t n_kv_new = 0;
