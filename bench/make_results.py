@@ -103,14 +103,19 @@ def limits_line(bench: Dict[str, Any]) -> str:
         "; ".join(refs) if refs else "not measured") + "."
 
 
+def bench_json(path: Path, module: str):
+    """A bench script's JSON results and the markdown function of that script (bench/<module>.py)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    return json.loads(path.read_text()), importlib.import_module(module).markdown
+
+
 def sparse_section(path: Path) -> str:
     """The sparse prefill section from bench/sparse_prefill.py's JSON ('' when there is none)."""
     if not path.is_file():
         return ""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from sparse_prefill import markdown as sparse_markdown
-
-    res = json.loads(path.read_text())
+    res, sparse_markdown = bench_json(path, "sparse_prefill")
     return f"""
 ## Sparse prefill (prompt ubatches with block-sparse attention)
 
@@ -133,10 +138,7 @@ def summarise_section(path: Path) -> str:
     """The summarise section from bench/summarise.py's JSON ('' when there is none)."""
     if not path.is_file():
         return ""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from summarise import markdown as summarise_markdown
-
-    res = json.loads(path.read_text())
+    res, summarise_markdown = bench_json(path, "summarise")
     return f"""
 ## Summarise (fate stage `summarise`) against plain eviction
 
@@ -157,10 +159,7 @@ def freeze_section(path: Path) -> str:
     """The host tier section from bench/freeze.py's JSON ('' when there is none)."""
     if not path.is_file():
         return ""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from freeze import markdown as freeze_markdown
-
-    res = json.loads(path.read_text())
+    res, freeze_markdown = bench_json(path, "freeze")
     return f"""
 ## Host tier: soft freeze and latent re-ranking
 

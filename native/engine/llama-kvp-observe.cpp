@@ -569,7 +569,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
             }
         }
     }
-    if (rows) {
+    if (head_w) {
         std::fill((float *) head_w->data, (float *) head_w->data + st->n_head, 1.0f/st->n_head);
     }
 
@@ -602,8 +602,6 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     for (int32_t h = 0; h < st->n_head; ++h) {
         std::copy(w.begin(), w.end(), wh + (int64_t) h*W);
     }
-    std::fill((float *) head_w->data, (float *) head_w->data + st->n_head, 1.0f/st->n_head);
-
     const bool alibi = st->model.hparams.use_alibi;
 
     std::vector<llama_pos> pos;
@@ -731,6 +729,21 @@ static llama_kvp_obs_input * llama_kvp_graph_obs_input(const llm_graph_context &
     return g_graph_inp;
 }
 
+// softmax of attention scores as build_attn_mha takes it: logit softcap, scale, mask (ALiBi), sinks
+static ggml_tensor * llama_kvp_graph_softmax(ggml_context * ctx0, const llama_hparams & hparams, ggml_tensor * kq,
+        ggml_tensor * mask, ggml_tensor * sinks, float kq_scale) {
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    if (hparams.attn_soft_cap) {
+        kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
+        kq = ggml_tanh (ctx0, kq);
+        kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
+        kq_scale = 1.0f;
+    }
+    ggml_tensor * probs = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, hparams.f_max_alibi_bias);
+    ggml_soft_max_add_sinks(probs, sinks);
+    return probs;
+}
+
 ggml_tensor * llama_kvp_graph_observed_attn(
         const llm_graph_context & gctx,
                     ggml_tensor * q,
@@ -779,16 +792,7 @@ ggml_tensor * llama_kvp_graph_observed_attn(
     ggml_tensor * cur;
     if (v_trans) {
         // as build_attn_mha computes it without flash attention, keeping the softmax
-        ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qp);
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        if (hparams.attn_soft_cap) {
-            kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
-            kq = ggml_tanh (ctx0, kq);
-            kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
-            kq_scale = 1.0f;
-        }
-        probs = ggml_soft_max_ext(ctx0, kq, kq_mask, kq_scale, hparams.f_max_alibi_bias);
-        ggml_soft_max_add_sinks(probs, sinks);
+        probs = llama_kvp_graph_softmax(ctx0, hparams, ggml_mul_mat(ctx0, kp, qp), kq_mask, sinks, kq_scale);
         ggml_tensor * kqv = ggml_mul_mat(ctx0, vp, probs);                  // [d_v, 1, n_head]
         cur = ggml_cont_2d(ctx0, ggml_permute(ctx0, kqv, 0, 2, 1, 3), kqv->ne[0]*kqv->ne[2], 1);
     } else {
@@ -892,18 +896,7 @@ void llama_kvp_graph_observe(
         qo = ggml_permute(ctx0, qo, 0, 2, 1, 3);                    // [d, W, n_head]
         ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3);       // [d, n_kv, n_head_kv]
 
-        ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qo);              // [n_kv, W, n_head]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-
-        if (hparams.attn_soft_cap) {
-            kq = ggml_scale(ctx0, kq, kq_scale / hparams.f_attn_logit_softcapping);
-            kq = ggml_tanh (ctx0, kq);
-            kq = ggml_scale(ctx0, kq, hparams.f_attn_logit_softcapping);
-            kq_scale = 1.0f;
-        }
-
-        probs = ggml_soft_max_ext(ctx0, kq, cells.mask, kq_scale, hparams.f_max_alibi_bias);
-        ggml_soft_max_add_sinks(probs, sinks);
+        probs = llama_kvp_graph_softmax(ctx0, hparams, ggml_mul_mat(ctx0, kk, qo), cells.mask, sinks, kq_scale); // [n_kv, W, n_head]
         ggml_format_name(probs, "kvp_probs-%d", il);
     }
     GGML_ASSERT(probs->ne[0] == n_kv && probs->ne[1] == W && probs->ne[2] == n_head);
