@@ -7,10 +7,14 @@ KL and top-1 against it, and the policy's own free greedy run (tokens equal to t
 (b) Passkeys (needles in the essays) at `--needle-lengths`: the full cache, plain eviction at a 10% budget, and the
 freeze preset.
 (c) Needles whose question arrives in a second turn, after the document was compressed and a first answer generated
-(the compression cannot know the question): each `--turn-policies` policy with and without `+host+latent:gap=1`
-(re-ranking by the question's turn), against the full cache.
+(the compression cannot know the question): each `--turn-policies` policy alone, with `+host+latent:gap=1` (re-ranked
+at the question's first decode step), `+host+latent:gap=0` (re-ranked by the question itself, at its end) and
+`+host+freeze:gap=0` (the soft freeze with the same re-ranking), against the full cache.
+(d) With `--long N`: an N-token greedy generation under a bounded policy (`--long-policy`: a budget, the host tier
+with a limit, the freeze): process RSS, active and host bytes every `--long-every` tokens; RSS must stay flat.
 
     python bench/freeze.py -n 500 -o docs/results/freeze.json
+    python bench/freeze.py --skip-open --needle-lengths '' --turn-lengths '' --long 20000 -o docs/results/freeze_long.json
 """
 
 from __future__ import annotations
@@ -183,6 +187,41 @@ def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: 
             "promoted": promoted}
 
 
+def rss_mib() -> float:
+    """Resident set size of this process now (MiB, Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def long_generation(model: Optional[str], spec: str, threads: int, prompt: List[int], n_gen: int,
+                    every: int) -> Dict[str, Any]:
+    """n_gen greedy tokens under spec: RSS, active and host bytes every `every` tokens."""
+    llm = make_llama(model, spec, len(prompt) + n_gen + 64, threads)
+    llm.eval(prompt)
+    samples = []
+    t0 = time.perf_counter()
+    for i in range(1, n_gen + 1):
+        llm.eval([int(np.argmax(logits(llm)))])
+        if i % every == 0 or i == n_gen:
+            mem = llm.kv_memory()
+            samples.append({"step": i, "rss_mib": rss_mib(), "kv_bytes": int(mem.bytes),
+                            "active": active_tokens(llm), "host_bytes": int(mem.host_bytes), "s": time.perf_counter() - t0})
+            print(f"(d) {i}/{n_gen}: RSS {samples[-1]['rss_mib']:.0f} MiB, active {samples[-1]['active']} token-layers, "
+                  f"host {samples[-1]['host_bytes'] / 2**20:.1f} MiB, {samples[-1]['s']:.0f} s", file=sys.stderr)
+    h = llm.kv_host()
+    row = {"spec": llm.kv_policy.spec(), "n_gen": n_gen, "samples": samples,
+           "kv_bytes_peak": int(llm.kv_memory().bytes_peak), "host_bytes_peak": int(h.host_bytes_peak),
+           "n_freeze": h.n_freeze, "n_thaw": h.n_thaw, "n_evict": h.n_evict, "n_dropped": h.n_dropped}
+    llm.close()
+    # growth after the host tier has filled: from the sample at a quarter of the run to the last
+    q = samples[len(samples) // 4]
+    row["rss_growth_mib"] = samples[-1]["rss_mib"] - q["rss_mib"]
+    row["rss_growth_from_step"] = q["step"]
+    return row
+
+
 def plot_active(res: Dict[str, Any], path: Path) -> Path:
     """Active KV tokens (all layers) at each step of (a)'s generation, one line per policy."""
     import matplotlib
@@ -227,12 +266,23 @@ def markdown(res: Dict[str, Any]) -> str:
         out.append("")
     if res.get("turn"):
         out += ["(c) The question in a second turn: the document (10% budget), 8 tokens of a first answer, then the "
-                "question; `+host+latent:gap=1` re-ranks active and host tokens at the question's first decode step.", "",
+                "question; `+host+latent:gap=1` re-ranks active and host tokens at the question's first decode step, "
+                "`gap=0` at the question's end (then its tokens are evaluated again); `+host+freeze:gap=0` adds the "
+                "soft freeze to the same re-ranking.", "",
                 "| document | policy | found | host tokens brought back (running total over the cases, all layers) |", "|---:|---|---:|---|"]
         for r in res["turn"]:
             out.append(f"| {r['length']} | `{r['spec']}` | {r['n_hit']}/{len(r['hits'])} | "
                        f"{', '.join(str(x) for x in r['promoted']) or '-'} |")
         out.append("")
+    if res.get("long"):
+        r = res["long"]
+        rss = ", ".join(f"{x['rss_mib']:.0f}" for x in r["samples"])
+        out += [f"(d) A {r['n_gen']}-token greedy generation, `{r['spec']}`: RSS {r['samples'][0]['rss_mib']:.0f} MiB at "
+                f"step {r['samples'][0]['step']}, {r['samples'][-1]['rss_mib']:.0f} MiB at the end (growth from step "
+                f"{r['rss_growth_from_step']}: {r['rss_growth_mib']:+.1f} MiB); cache peak {r['kv_bytes_peak'] / 2**20:.1f} MiB, "
+                f"host peak {r['host_bytes_peak'] / 2**20:.1f} MiB; {r['n_freeze']} frozen, {r['n_evict']} evicted to host, "
+                f"{r['n_thaw']} thawed, {r['n_dropped']} dropped for good (token-layers). RSS (MiB) every "
+                f"{r['samples'][0]['step']} steps: {rss}.", ""]
     return "\n".join(out)
 
 
@@ -246,8 +296,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--turn-lengths", default="1536,4096", help="second-turn needle document lengths ('' skips c)")
     ap.add_argument("--turn-policies", default="snapkv:budget=0.1,entropy:budget=0.1",
-                    help="retention policies of (c), each also run with +host+latent:gap=1")
+                    help="retention policies of (c), each also run with +host+latent:gap=1, gap=0 and +host+freeze:gap=0")
     ap.add_argument("--skip-open", action="store_true", help="skip (a)")
+    ap.add_argument("--long", type=int, default=0, help="tokens of (d)'s long generation (0: skip d)")
+    ap.add_argument("--long-policy", default="h2o:budget=2048+host:limit=2048+freeze",
+                    help="the bounded policy of (d): a budget, a host limit, the freeze")
+    ap.add_argument("--long-every", type=int, default=1000, help="tokens between (d)'s samples")
     ap.add_argument("-r", "--reps", type=int, default=3, help="timed passes per policy, interleaved (median)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-o", "--output", default=None, help="JSON results")
@@ -318,12 +372,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         nl.close()
         specs = [None]
         for pol in args.turn_policies.split(","):
-            specs += [pol, pol + "+host+latent:gap=1", pol + "+host+latent:gap=0"]
+            specs += [pol, pol + "+host+latent:gap=1", pol + "+host+latent:gap=0", pol + "+host+freeze:gap=0"]
         for spec in specs:
             r = second_turn(args.model, spec, n + 128, threads, cases)
             r["length"] = n
             res["turn"].append(r)
             print(f"(c) {n} tokens {r['spec']}: {r['n_hit']}/{len(cases)}, promoted {r['promoted']}", file=sys.stderr)
+
+    if args.long > 0:
+        res["long"] = long_generation(args.model, args.long_policy, threads, prompt, args.long, args.long_every)
+        r = res["long"]
+        print(f"(d) RSS growth from step {r['rss_growth_from_step']} to {args.long}: {r['rss_growth_mib']:+.1f} MiB",
+              file=sys.stderr)
 
     if args.plot and res["open"]:
         plot_active(res, Path(args.plot))

@@ -70,6 +70,16 @@ struct kvbench_result {
     double               density       = 1.0; // sparse prefill: key blocks computed / dense, in ubatches that ran sparse
     int32_t              n_recover[4]  = { 0, 0, 0, 0 }; // recovery ladder events by level (all repetitions)
 
+    // host tier (fate stage `host`): peak bytes of the last repetition, token moves per repetition (all layers)
+    int32_t host            = 0; // 1: the policy has a host tier
+    int64_t host_bytes_peak = 0;
+    int64_t n_freeze        = 0; // frozen by the freeze schedule
+    int64_t n_host_evict    = 0; // moved to the host tier by the budget's eviction
+    int64_t n_thaw          = 0; // back into a layer cache
+    int64_t n_dropped       = 0; // dropped for good from the host tier (its limit)
+    int64_t n_rerank        = 0; // latent re-rankings (per layer)
+    int64_t n_promote       = 0; // host tokens made active by a re-ranking
+
     // ratios to `full` at the same configuration (0: no full row)
     double pp_ratio = 0.0;
     double tg_ratio = 0.0;
@@ -120,6 +130,8 @@ static void kvbench_usage(const char * argv0) {
     printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
     printf("cache's decode speed at depth B (B tokens prefilled untimed, then n-gen tokens timed one by one, once per (B, n)\n");
     printf("in the run): `limit:d=B` rows (md; \"limits\" in json) and `x limit` = tg t/s / the limit's tg t/s.\n");
+    printf("host tier (a policy with +host): its peak bytes (not in KV MiB) and its token moves per repetition, all layers:\n");
+    printf("frozen, evicted to host, thawed, dropped for good, latent re-ranks, promoted; recovery ladder events (md: a second table).\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);
@@ -342,6 +354,19 @@ static void kvbench_prefill(llama_context * ctx, const llama_token * tokens, int
     llama_batch_free(batch);
 }
 
+// gap=0 latent re-ranking (schedule `latent`, or `freeze` with gap=0) is the caller's, as in Python's Llama: at the end
+// of the prompt re-rank, evaluate its last `window` tokens again, re-rank again and evaluate its last token again
+static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_window, int32_t n_batch) {
+    const int32_t k_redo[2] = { std::max(1, std::min(n, n_window)), 1 };
+    for (const int32_t k : k_redo) {
+        if (llama_kvp_latent_rerank(ctx) != 0) {
+            throw std::runtime_error(std::string("latent re-ranking failed: ") + llama_kvp_last_error());
+        }
+        llama_memory_seq_rm(llama_get_memory(ctx), 0, pos0 + n - k, -1);
+        kvbench_prefill(ctx, tokens + n - k, k, pos0 + n - k, n_batch, false);
+    }
+}
+
 static llama_token kvbench_argmax(llama_context * ctx, int32_t n_vocab) {
     const float * logits = llama_get_logits_ith(ctx, -1);
     return (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
@@ -363,9 +388,14 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     const llama_kvp_policy_desc desc = kvbench_describe(pol);
     const bool retains = desc.retains != 0;
     const bool guided  = desc.guides  != 0;
+    const int32_t sched = pol.stage[LLAMA_KVP_SLOT_SCHEDULE];
+    const bool latent_at_end = (sched == LLAMA_KVP_SCHEDULE_LATENT || sched == LLAMA_KVP_SCHEDULE_FREEZE) && pol.gap == 0;
 
     struct llama_kvp_memory_info mi0 = {};
     llama_kvp_memory_info(ctx, &mi0);
+    struct llama_kvp_host_stats hs0 = {};
+    r.host = llama_kvp_host(ctx, &hs0) == 0;
+    llama_kvp_clear_error();
 
     std::vector<double> step_t;   // all decode steps of all repetitions
     std::vector<bool>   step_obs; // whether that step observed
@@ -385,6 +415,9 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
             kvbench_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
+            if (latent_at_end && r.n_prompt > 1) {
+                kvbench_latent_redo(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pol.window, params.n_batch);
+            }
             llama_synchronize(ctx);
             r.pp_ts.push_back(r.n_prompt/(kvbench_now() - t0));
         }
@@ -475,6 +508,16 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     r.kv_bytes      = mi.bytes;
     r.kv_bytes_peak = mi.bytes_peak;
     r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
+    struct llama_kvp_host_stats hs = {};
+    if (r.host && llama_kvp_host(ctx, &hs) == 0) {
+        r.host_bytes_peak = hs.host_bytes_peak;
+        r.n_freeze        = (hs.n_freeze  - hs0.n_freeze )/params.reps;
+        r.n_host_evict    = (hs.n_evict   - hs0.n_evict  )/params.reps;
+        r.n_thaw          = (hs.n_thaw    - hs0.n_thaw   )/params.reps;
+        r.n_dropped       = (hs.n_dropped - hs0.n_dropped)/params.reps;
+        r.n_rerank        = (hs.n_rerank  - hs0.n_rerank )/params.reps;
+        r.n_promote       = (hs.n_promote - hs0.n_promote)/params.reps;
+    }
     r.per_layer     = mi.per_layer;
     r.budget        = mi.budget;
 
@@ -573,6 +616,9 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
             r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
     printf("     \"n_recover\": [%d, %d, %d, %d],\n", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
+    printf("     \"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
+           " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",\n",
+            r.host ? "true" : "false", r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
     printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.6f, \"density\": %.4f}%s\n",
             r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, r.density, last ? "" : ",");
 }
@@ -596,15 +642,17 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f,%.4f\n",
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f,%.4f,"
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 "\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
                     r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio,
-                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio, r.density);
+                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio, r.density,
+                    r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
         }
         return;
     }
@@ -628,6 +676,24 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         kvbench_mean_sd(l.tg_ts, tg, tg_sd);
         printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - | - |\n",
                 l.label.c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
+    }
+    // the host tier's rows apart: its bytes are not in `KV MiB`
+    bool any_host = false;
+    for (const auto & r : results) {
+        any_host = any_host || r.host;
+    }
+    if (!any_host) {
+        return;
+    }
+    printf("\n| policy | p | n | d | host peak MiB | frozen | evicted to host | thawed | dropped | re-ranks | promoted | ladder S/W/F/R |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    for (const auto & r : results) {
+        if (!r.host) {
+            continue;
+        }
+        printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",
+                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
+                r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
     }
 }
 

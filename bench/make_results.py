@@ -160,6 +160,22 @@ def freeze_section(path: Path) -> str:
     if not path.is_file():
         return ""
     res, freeze_markdown = bench_json(path, "freeze")
+    # parts (c) and (d) rerun on their own (bench/freeze.py --skip-open ...) supersede those of the main run
+    later = ""
+    part = path.with_name(path.stem + "_turn.json")
+    if part.is_file():
+        res2 = json.loads(part.read_text())
+        res = {k: v for k, v in res.items() if k not in ("turn", "long")}
+        later = f"""
+Second-turn needles and the long generation, a later run:
+
+```
+{res2['command']}
+```
+
+Raw: [results/{part.name}](results/{part.name}). {res2['cpu']}, {res2['threads']} threads.
+
+{freeze_markdown({k: v for k, v in res2.items() if k in ("turn", "long")})}"""
     return f"""
 ## Host tier: soft freeze and latent re-ranking
 
@@ -176,7 +192,7 @@ layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost
 ![active KV tokens over the generation](results/freeze_active.png)
 
 {freeze_markdown(res)}
-"""
+{later}"""
 
 
 def corpus_section(path: Path) -> str:

@@ -56,9 +56,10 @@ class Llama(llama_cpp.Llama):
         self._kv_reuse = kv_reuse
         policy = as_policy(kv_policy)
         self._kv_policy = policy
-        # latent re-ranking at the end of each prompt (schedule `latent` with gap=0)
-        self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] == "latent"
+        # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
+        self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] in ("latent", "freeze")
                                and int(policy.to_native().gap) == 0)
+        self._latent_window = int(policy.to_native().window) if policy is not None else 0
         if rpc_servers:
             from .rpc import add_servers
 
@@ -144,14 +145,20 @@ class Llama(llama_cpp.Llama):
             self.kv_observe_next()
         super().eval(tokens)
         if self._latent_at_end and n_in > 1:
-            # re-rank by the prompt's end (the question), then its last token again: the next token sees the result
-            _, lib = native()
+            self._latent_redo(max(1, min(n_in, self._latent_window)))
+
+    def _latent_redo(self, k: int) -> None:
+        # re-rank by the prompt's end (the question: the window's queries), then evaluate those k tokens again so that
+        # their queries see what came back; a second re-rank by those better queries, and the last token again, which
+        # the next token reads from
+        _, lib = native()
+        for k_redo in (k, 1):
             if lib.llama_kvp_latent_rerank(self._native_ctx()) != 0:
                 raise RuntimeError(last_error())
-            last = int(self.input_ids[self.n_tokens - 1])
-            self.n_tokens -= 1
+            redo = [int(t) for t in self.input_ids[self.n_tokens - k_redo : self.n_tokens]]
+            self.n_tokens -= k_redo
             self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-            super().eval([last])
+            super().eval(redo)
 
     def _eval_without_logits(self, tokens: Sequence[int]) -> Sequence[int]:
         # every n_batch chunk but the last, with no output token; returns the last chunk

@@ -182,9 +182,9 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
     text = " ".join(essays()[1].split())
     fact = " The code of the blue locker is 4817."
     question = "\n\nWhat is the code of the blue locker? The code of the blue locker is"
-    held = {}
-    for spec in ("snapkv:budget=96,guide=0+host", "snapkv:budget=96,guide=0+host+latent:gap=1",
-                 "snapkv:budget=96,guide=0+host+latent:gap=0"):
+    held, answer = {}, {}
+    base = "snapkv:budget=96,guide=0+host"
+    for spec in (base, base + "+latent:gap=1", base + "+latent:gap=0", base + "+freeze:gap=0"):
         llm = make(model_path, spec)
         body = llm.tokenize(text.encode())[:500]
         f = llm.tokenize(fact.encode(), add_bos=False)
@@ -192,22 +192,39 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
         llm.eval(doc)                                   # turn 1: the document, compressed to 96 tokens per layer
         fpos = np.arange(200, 200 + len(f))
         llm.eval(llm.tokenize(question.encode(), add_bos=False))   # turn 2: the question
-        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-        llm.eval([tok])                                 # the first decode step re-ranks (gap=1; gap=0: the question's end)
-        assert llm.n_tokens == len(doc) + len(llm.tokenize(question.encode(), add_bos=False)) + 1
+        out = []
+        for _ in range(6):                              # the first decode step re-ranks (gap=1; gap=0: the question's end)
+            out.append(int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)))))
+            llm.eval([out[-1]])
+        answer[spec] = llm.detokenize(out).decode(errors="replace")
+        assert llm.n_tokens == len(doc) + len(llm.tokenize(question.encode(), add_bos=False)) + 6
         h = llm.kv_host()
+        n_layer = h.state.shape[0]
         held[spec] = (h.state[:, fpos] == HostTelemetry.ACTIVE).sum()
         mem = llm.kv_memory()
         assert all(b.n_used <= b.budget + 1 for b in mem.layers)
-        assert h.n_active + h.n_host == h.state.shape[0] * llm.n_tokens  # nothing dropped
-        if "latent:gap=0" in spec:  # at the end of each prompt: the document's and the question's
-            assert h.n_rerank == 2 * h.state.shape[0] and h.n_promote > 0
+        assert h.n_active + h.n_host == n_layer * llm.n_tokens  # nothing dropped
+        if "gap=0" in spec:  # twice at the end of each prompt (the document's and the question's)
+            assert h.n_rerank == 4 * n_layer and h.n_promote > 0
         elif "latent" in spec:
-            assert h.n_rerank == h.state.shape[0] and h.n_promote > 0
+            assert h.n_rerank == n_layer and h.n_promote > 0
         else:
             assert h.n_rerank == 0 and h.n_promote == 0
-    assert held["snapkv:budget=96,guide=0+host+latent:gap=1"] > held["snapkv:budget=96,guide=0+host"]
-    assert held["snapkv:budget=96,guide=0+host+latent:gap=0"] > held["snapkv:budget=96,guide=0+host"]
+    for spec in held:
+        if spec != base:
+            assert held[spec] > held[base], (spec, held)
+    # re-ranked by the question itself, the answer is the fact's (the full cache answers 4817 too)
+    assert "4817" in answer[base + "+latent:gap=0"] and "4817" in answer[base + "+freeze:gap=0"], answer
+
+
+def test_freeze_composes_with_latent_reranking():
+    spec = "snapkv:budget=0.1+host+freeze:gap=0"
+    pol = parse_policy(spec)
+    assert parse_policy(pol.spec()).spec() == pol.spec()
+    assert "gap=0" in pol.spec() and pol.describe()["stages"]["schedule"] == "freeze"
+    assert int(parse_policy("freeze").to_native().gap) == -1  # the preset does not re-rank
+    with pytest.raises(PolicyError, match="gap must be >= -1"):
+        parse_policy("snapkv:budget=0.1+host+freeze:gap=-2")
 
 
 LADDER = "freeze:tau=2,k=1,every=1,z=0.3,rewalk=3,span=4"
@@ -259,3 +276,25 @@ def test_kvbench_counts_the_ladder(model_path):
     n = rows[LADDER]["n_recover"]
     assert len(n) == 4 and n[0] > 0 and sum(n) >= n[0]
     assert rows["full"]["n_recover"] == [0, 0, 0, 0]
+
+
+def test_kvbench_reports_the_host_tier(model_path):
+    import json
+    import subprocess
+
+    from pykvcache import cli
+
+    spec = "snapkv:budget=64,guide=0+host+latent:gap=0"
+    base = [str(cli.kvbench_path()), "--no-progress", "--no-limit", "-p", "256", "-n", "16", "-r", "1", "-t", "2",
+            "--policy", spec, "-m", model_path]
+    out = subprocess.run(base + ["-o", "json"], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    rows = {r["label"]: r for r in json.loads(out.stdout)["results"]}
+    r, full = rows[spec], rows["full"]
+    n_layer = len(r["kv_layer_bytes"])
+    assert r["host"] and not full["host"]
+    assert r["n_rerank"] == 2 * n_layer and r["n_promote"] > 0   # gap=0: twice at the end of the prompt
+    assert r["n_host_evict"] >= n_layer * (256 - 64) and r["n_dropped"] == 0
+    assert r["host_bytes_peak"] > 0
+    md = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd="/").stdout
+    assert "| host peak MiB |" in md and md.count(f"| {spec} |") == 2

@@ -218,5 +218,9 @@ void    llama_kvp_freeze_ladder (llama_kvp_memory & mem, int32_t * n_level, std:
 // re-ranks the active and host tokens of every layer now (schedule stage `latent`, stages/schedule-latent.cpp)
 void llama_kvp_latent_rerank(llama_kvp_memory & mem);
 
+// before a single-token decode step: re-ranks every layer if the policy's `gap` makes this step due (the `latent`
+// schedule, and `freeze` with gap >= 0)
+void llama_kvp_latent_before_step(llama_kvp_memory & mem);
+
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
 uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

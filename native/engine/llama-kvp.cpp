@@ -677,8 +677,9 @@ int32_t llama_kvp_latent_rerank(struct llama_context * ctx) {
     if (!mem) {
         return -1;
     }
-    if (mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE] != LLAMA_KVP_SCHEDULE_LATENT) {
-        llama_kvp_set_error("latent re-ranking needs the latent schedule (e.g. snapkv:budget=0.1+host+latent:gap=0)");
+    const int32_t sched = mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE];
+    if (sched != LLAMA_KVP_SCHEDULE_LATENT && !(sched == LLAMA_KVP_SCHEDULE_FREEZE && mem->policy.gap >= 0)) {
+        llama_kvp_set_error("latent re-ranking needs the latent schedule or freeze with gap >= 0 (e.g. snapkv:budget=0.1+host+latent:gap=0)");
         return -1;
     }
     llama_synchronize(ctx);

@@ -119,8 +119,9 @@ struct llama_kvp_policy {
     int32_t k;          // freeze: a token of c low-relevance steps freezes for floor(sqrt(c)/k) steps (>= 1)
     int32_t hist;       // freeze: decode steps the low-relevance count c covers (a multiple of 64, <= 4096)
     int32_t limit;      // host: tokens per layer the host tier holds (0 = the context size); past it the coldest are dropped
-    int32_t gap;        // latent: decode steps after a prompt (a chat turn) at which active and host tokens are re-ranked (0: at its end)
-    int32_t repeat;     // latent: 1 = re-rank again every `gap` decode steps, 0 = once per prompt
+    int32_t gap;        // latent, freeze: decode steps after a prompt (a chat turn) at which active and host tokens are re-ranked
+                        // (0: at its end; freeze: -1 = never, its default)
+    int32_t repeat;     // latent, freeze: 1 = re-rank again every `gap` decode steps, 0 = once per prompt
     float   z;          // freeze: recovery ladder on when > 0: a next-token entropy above mean + z*sd is a spike
     int32_t rewalk;     // freeze: tokens the ladder's last level rolls back and generates again (0: no Rewalk)
     int32_t span;       // freeze: decode steps a Window Reset reaches back, and calm steps after which the ladder resets
@@ -365,9 +366,10 @@ int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits,
 // (the first n_max are written; any output may be NULL)
 int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max);
 
-// latent re-ranking now (schedule stage `latent`): each layer keeps the best of its active and host tokens for the
-// observation window's queries; returns 0, or -1 if the policy has no latent schedule. With gap=0 Python's Llama
-// calls it at the end of each prompt and evaluates the prompt's last token again.
+// latent re-ranking now (schedule stage `latent`, or `freeze` with gap >= 0): each layer keeps the best of its active and
+// host tokens for the observation window's queries; returns 0, or -1 if the policy re-ranks nothing. With gap=0 the caller
+// (Python's Llama, kvbench) calls it at the end of each prompt, evaluates the prompt's last `window` tokens again (their
+// queries now see what came back), calls it again and evaluates the last token again.
 int32_t llama_kvp_latent_rerank(struct llama_context * ctx);
 
 // raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types (k_out, v_out may be NULL; each

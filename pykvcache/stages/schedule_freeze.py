@@ -15,6 +15,8 @@ class FreezeSchedule(Stage):
     then thaws (ASR-KF soft freeze). With `z` > 0, the entropy recovery ladder: a generated token whose distribution's
     entropy is above its running mean + z sd climbs one level (Soft Reset, Window Reset of the last `span` steps,
     Full Reset, Rewalk of the last `rewalk` tokens) and thaws accordingly.
+    With `gap` >= 0 (-1: off), the latent re-ranking of `LatentSchedule` too, so that frozen, evicted and active
+    tokens compete together: `SnapKV(budget=0.1) + HostFate() + FreezeSchedule(gap=0)`.
     Needs the host fate: `H2O(budget=0.1) + HostFate() + FreezeSchedule()` (the host tier first)."""
 
     name: ClassVar[str] = "freeze"
@@ -27,3 +29,5 @@ class FreezeSchedule(Stage):
     z: Optional[float] = None
     rewalk: Optional[int] = None
     span: Optional[int] = None
+    gap: Optional[int] = None
+    repeat: Optional[int] = None

@@ -21,6 +21,9 @@
 // Reset thaws everything frozen in the last `span` steps, 3 Full Reset thaws everything and clears the counts, 4
 // Rewalk (with rewalk > 0) does a Full Reset and asks the caller to roll back its last `rewalk` tokens and generate
 // them again, then the ladder starts from the bottom. `span` steps without a spike bring it back down.
+//
+// With gap >= 0 the latent re-ranking of the `latent` schedule (schedule-latent.cpp) runs too, `gap` steps after each
+// prompt (0: at its end; repeat=1: every `gap` steps): frozen tokens compete with the active and evicted ones.
 
 #include "llama-kvp-impl.h"
 #include "llama-kvp-memory.h"
@@ -98,8 +101,8 @@ static llama_kvp_ladder_state & llama_kvp_ladder_of(llama_kvp_memory & mem) {
 }
 
 struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
-    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist,every,z,rewalk,span",
-            "observe every `every` decode steps; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) observation periods") {}
+    llama_kvp_schedule_freeze() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_FREEZE, LLAMA_KVP_SLOT_SCHEDULE, "freeze", "tau,k,hist,every,z,rewalk,span,gap,repeat",
+            "observe every `every` decode steps; a token whose attention stays below tau/n freezes into the host tier for floor(sqrt(c)/k) observation periods; gap >= 0: also re-ranked with the host tier as `latent`") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.tau  = 0.1f;
@@ -109,6 +112,8 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
         p.z      = 0.0f;
         p.rewalk = 0;
         p.span   = 16;
+        p.gap    = -1; // no latent re-ranking
+        p.repeat = 0;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
@@ -137,6 +142,10 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             snprintf(buf, sizeof(buf), "every must be >= 1 decode step for freeze (got %d)", p.every);
             return buf;
         }
+        if (p.gap < -1 || (p.repeat != 0 && p.repeat != 1)) {
+            snprintf(buf, sizeof(buf), "gap must be >= -1 (-1: no latent re-ranking, 0: at the end of each prompt) and repeat 0 or 1 (got gap=%d, repeat=%d)", p.gap, p.repeat);
+            return buf;
+        }
         const auto * fate = llama_kvp_fate_of(p);
         if (!fate || fate->id != LLAMA_KVP_FATE_HOST) {
             return std::string("freeze needs the host fate (+host): frozen tokens wait in the host tier (fate here: ") +
@@ -156,6 +165,9 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
         }
         llama_kvp_sync(st); // the caches are read and written below
         const llama_kvp_policy & p = mem.policy;
+        if (p.gap >= 0) {
+            llama_kvp_latent_before_step(mem); // frozen, evicted and active tokens re-ranked together when due
+        }
         std::vector<float> mass;
         std::vector<float> acc;
         std::vector<llama_pos> obs_pos;

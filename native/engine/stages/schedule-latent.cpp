@@ -5,15 +5,19 @@
 // `gap` decode steps after a prompt ubatch (the prompt, or a later chat turn), before the step that processes the
 // gap-th generated token, each layer scores its active tokens and the tokens of its host tier together, for the
 // observation window's queries (the ring: the end of the prompt and the tokens generated so far; with gap=1 the end
-// of the prompt alone, i.e. the question of a chat turn). The scores are the head- and query-mean attention
-// probabilities of one softmax over all of them (scaled dot products with the model's scale, each query seeing the
-// positions up to its own; softcap, ALiBi and attention sinks are not applied to this ranking), turned into
-// eviction scores by the policy's score stage (its pooling). The layer then keeps what an eviction would keep from
-// all of them: the sinks, the recent window and the best by score up to its budget. Host tokens that make it thaw
-// into the cache; active tokens that do not go to the host tier (cold). With repeat=1 again every `gap` steps.
+// of the prompt alone, i.e. the question of a chat turn). The scores are attention probabilities of one softmax over
+// all of them (scaled dot products with the model's scale, each query seeing the positions up to its own; softcap,
+// ALiBi and attention sinks are not applied to this ranking), the largest over the heads and the mean over the queries,
+// carried LLAMA_KVP_LATENT_REACH tokens forward (a question attends to a fact's key words, the answer is the value
+// after them) and turned into eviction scores by the policy's score stage (its pooling). The layer then keeps what an
+// eviction would keep from all of them: the sinks, the recent window and the best by score up to its budget. Host
+// tokens that make it thaw into the cache; active tokens that do not go to the host tier (cold). With repeat=1 again
+// every `gap` steps. With gap=0 the caller re-ranks at the end of each prompt (llama_kvp_latent_rerank), evaluates the
+// window's tokens again so that the question's queries see what came back, and re-ranks with those better queries.
 // Between re-rankings the scores are refreshed every `every` decode steps, as the `every` schedule does.
 //
-// It needs the host fate: the tokens a budget evicts must be kept to be re-ranked.
+// It needs the host fate: the tokens a budget evicts must be kept to be re-ranked. The `freeze` schedule re-ranks the
+// same way when its `gap` is set (>= 0), so that frozen and evicted tokens compete together (llama_kvp_latent_before_step).
 
 #include "llama-kvp-impl.h"
 #include "llama-kvp-memory.h"
@@ -24,6 +28,9 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+
+// how far forward an attended token lends its score in a re-ranking (tokens)
+#define LLAMA_KVP_LATENT_REACH 8
 
 struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
     llama_kvp_schedule_latent() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_LATENT, LLAMA_KVP_SLOT_SCHEDULE, "latent", "gap,repeat,every",
@@ -62,15 +69,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
     }
 
     void before_step(llama_kvp_memory & mem) const override {
-        const llama_kvp_policy & p = mem.policy;
-        const int32_t k = mem.n_since_prompt;
-        const bool due = p.gap > 0 && (p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap);
-        if (!due || !mem.st) {
-            return;
-        }
-        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
-            rerank(mem, ikv);
-        }
+        llama_kvp_latent_before_step(mem);
     }
 
     // every layer re-ranked now (gap=0: the caller does it at the end of a prompt, then evaluates its last token
@@ -121,13 +120,18 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         }
         const size_t n = all.size();
 
-        // head- and query-mean attention probability of each token, one softmax per (query, head) over all of them
+        // attention probability of each token, one softmax per (query, head) over all of them: the largest over the
+        // heads (the layer's one token set serves every head, and a retrieval head may be the only one that looks at
+        // a fact), the mean over the queries
         const int32_t d  = st->n_embd_head;
         const int32_t g  = st->n_head/st->n_head_kv;
         std::vector<float> mass(n, 0.0f);
+        std::vector<float> head_max(n);
         std::vector<float> lg(n);
         int32_t n_rows = 0;
         for (int32_t i = 0; i < n_q; ++i) {
+            std::fill(head_max.begin(), head_max.end(), 0.0f);
+            bool seen = false;
             for (int32_t h = 0; h < st->n_head; ++h) {
                 const float * qi = q.data() + (size_t) i*st->n_head*d + (size_t) h*d;
                 const int32_t hk_off = (h/g)*d;
@@ -154,7 +158,13 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
                     z += lg[j];
                 }
                 for (size_t j = 0; j < n; ++j) {
-                    mass[j] += (float) (lg[j]/z);
+                    head_max[j] = std::max(head_max[j], (float) (lg[j]/z));
+                }
+                seen = true;
+            }
+            if (seen) {
+                for (size_t j = 0; j < n; ++j) {
+                    mass[j] += head_max[j];
                 }
                 n_rows++;
             }
@@ -182,6 +192,13 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         const uint32_t n_keep = std::min<uint32_t>((uint32_t) n, std::min<uint32_t>(L.budget, size > 1 ? size - 1 : 0));
         n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
         n_sink   = std::min(n_sink, n_keep - n_recent);
+        // a value follows its key: a question attends to "the code for Quito is", not to the digits after it, so each
+        // token inherits the best mass of the LLAMA_KVP_LATENT_REACH tokens before it
+        for (size_t j = n; j-- > 0;) {
+            for (size_t k = j >= LLAMA_KVP_LATENT_REACH ? j - LLAMA_KVP_LATENT_REACH : 0; k < j; ++k) {
+                cells[j].score = std::max(cells[j].score, raw_mass[k]);
+            }
+        }
         mem.stage_score->score(p, cells);
         std::vector<bool> keep(n, false);
         for (uint32_t j = 0; j < n_sink; ++j) {
@@ -228,6 +245,15 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
 const llama_kvp_stage * llama_kvp_stage_schedule_latent() {
     static const llama_kvp_schedule_latent stage;
     return &stage;
+}
+
+void llama_kvp_latent_before_step(llama_kvp_memory & mem) {
+    const llama_kvp_policy & p = mem.policy;
+    const int32_t k = mem.n_since_prompt;
+    const bool due = p.gap > 0 && (p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap);
+    if (due && mem.st) {
+        llama_kvp_latent_rerank(mem);
+    }
 }
 
 void llama_kvp_latent_rerank(llama_kvp_memory & mem) {
