@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "lengths x depths, greedy agreement; writes eval.json, eval.md and PNG plots.")
     e.add_argument("--preset", choices=["quick", "full"], default="quick",
                    help="quick: 1k-token texts, 3 depths (minutes on 2 cores); full: 4k-token texts and needles, 5 depths")
-    e.add_argument("--policies", default=None, help="comma-separated policies (default: all retention policies)")
+    e.add_argument("--policies", default=None,
+                   help="comma-separated policies, each a preset with its own keys if any, e.g. snapkv,entropy:pool=5,topk_share=0.9 "
+                        "(default: all retention policies)")
     e.add_argument("--budgets", default=None, help="comma-separated budgets as fractions of the prompt (default: 0.25,0.1)")
     e.add_argument("--needle-lengths", default=None, help="comma-separated needle prompt lengths in tokens")
     e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1]")
@@ -220,7 +222,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = EvalConfig.quick() if args.preset == "quick" else EvalConfig.full()
     if args.policies is not None:
-        cfg.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+        from .evaluate import split_policies
+
+        cfg.policies = split_policies(args.policies)
     if args.budgets is not None:
         cfg.budgets = _floats(args.budgets) or []
     if args.needle_lengths is not None:

@@ -91,8 +91,12 @@ class EvalConfig:
     def validate(self) -> None:
         """Raise EvalError naming the first invalid setting."""
         for p in self.policies:
-            if p not in POLICIES:
-                raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)})")
+            if p.partition(":")[0] not in POLICIES:
+                raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)}, each with its keys, e.g. entropy:topk_share=0.9)")
+            try:
+                parse_policy(policy_spec(p, 64))
+            except PolicyError as exc:
+                raise EvalError(f"policy '{p}': {exc}") from exc
         if not self.policies:
             raise EvalError("no policy to evaluate")
         for b in self.budgets:
@@ -130,16 +134,29 @@ class EvalConfig:
         return (n + 16 + 255) // 256 * 256
 
 
+def split_policies(text: str) -> List[str]:
+    """The policies of a comma-separated list whose items may carry their own keys (snapkv,entropy:pool=5,topk_share=0.9)."""
+    out: List[str] = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        if out and "=" in x and ":" not in x:  # a key of the policy before it
+            out[-1] += "," + x
+        else:
+            out.append(x)
+    return out
+
+
 def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Optional[str]:
     """The spec of a policy at `budget` tokens per layer, with an optional prefill stage (None: the full cache)."""
     if name == "full":
         return None
+    name, _, keys = name.partition(":")  # a preset and its own keys: entropy:topk_share=0.9
+    keys = f",{keys}" if keys else ""
     if name == "none":
         spec = "none"
     elif name == "sink_recent":
-        spec = f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}"
+        spec = f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}{keys}"
     else:
-        spec = f"{name}:budget={budget}"
+        spec = f"{name}:budget={budget}{keys}"
     return f"{spec}+{prefill}" if prefill else spec
 
 

@@ -14,7 +14,7 @@ import pytest
 from pykvcache import cli
 from pykvcache import Llama
 from pykvcache.evaluate import (EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, needle_cases,
-                                write_outputs)
+                                policy_spec, split_policies, write_outputs)
 
 RESULT_FIELDS = {
     "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
@@ -190,6 +190,7 @@ def test_harness_pieces():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"policies": ["lru"]}, "unknown policy 'lru'"),
+    ({"policies": ["entropy:bogus=1"]}, "policy 'entropy:bogus=1': unknown key 'bogus'"),
     ({"budgets": [1.5]}, "budgets are fractions"),
     ({"depths": [2.0]}, "depths are in [0, 1]"),
     ({"stream": 4096}, "stream < kl_tokens"),
@@ -206,6 +207,13 @@ def test_harness_invalid_settings(kwargs, message):
 def test_eval_cli_invalid_argument_is_a_clear_error(capsys):
     assert cli.main(["eval", "--budgets", "0,0.1"]) == 2
     assert "budgets are fractions" in capsys.readouterr().err
+
+
+def test_eval_policies_take_their_own_keys():
+    assert policy_spec("entropy:pool=5,topk_share=0.9", 100) == "entropy:budget=100,pool=5,topk_share=0.9"
+    assert policy_spec("sink_recent:chunk=64", 100) == "sink_recent:n_sink=4,n_recent=96,chunk=64"
+    EvalConfig(policies=["snapkv", "entropy:pool=5,topk_share=0.9"]).validate()
+    assert split_policies("snapkv, entropy:pool=5,topk_share=0.9,h2o") == ["snapkv", "entropy:pool=5,topk_share=0.9", "h2o"]
 
 
 def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
