@@ -14,7 +14,7 @@ at the question's first decode step), `+host+latent:gap=0` (re-ranked by the que
 with a limit, the freeze): process RSS, active and host bytes every `--long-every` tokens; RSS must stay flat.
 
     python bench/freeze.py -n 500 -o docs/results/freeze.json
-    python bench/freeze.py --skip-open --needle-lengths '' --turn-lengths '' --long 20000 -o docs/results/freeze_long.json
+    python bench/freeze.py --skip-open --needle-lengths '' --long 20000 -o docs/results/freeze_turn.json  # (c), (d)
 """
 
 from __future__ import annotations
