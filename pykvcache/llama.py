@@ -10,6 +10,7 @@ import numpy as np
 
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
+from .batch import context_params_with, generate_batch
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
 from .telemetry import (HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry,
@@ -36,6 +37,9 @@ class Llama(llama_cpp.Llama):
             but the answer then depends on the earlier calls).
         rpc_servers: "host:port[,host:port...]" of `pykvcache rpc-server`s: their devices take the offloaded layers
             (n_gpu_layers) and those layers' KV caches.
+        n_seq_max: Sequences the context holds (llama.cpp's n_seq_max; default 1), each with n_ctx/n_seq_max
+            positions and, with a retention policy, caches and budgets of its own. The llama_cpp.Llama methods use
+            sequence 0; `generate_batch` decodes several prompts together.
         *args, **kwargs: Everything llama_cpp.Llama accepts (n_ctx, n_gpu_layers, flash_attn, seed, verbose, ...).
 
     Raises:
@@ -44,13 +48,15 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: Optional[str] = None, *args: Any, kv_policy: "Policy | str | None" = None,
-                 kv_reuse: str = "exact", rpc_servers: Optional[str] = None, **kwargs: Any) -> None:
+                 kv_reuse: str = "exact", rpc_servers: Optional[str] = None, n_seq_max: int = 1, **kwargs: Any) -> None:
         if model_path is None:
             model_path = default_model_path()
         model_path = os.fspath(model_path)
         if not Path(model_path).is_file():
             raise FileNotFoundError(f"model file not found: {model_path}")
 
+        if not isinstance(n_seq_max, int) or n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be an integer >= 1, not {n_seq_max!r}")
         if kv_reuse not in ("exact", "continue"):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
@@ -72,7 +78,8 @@ class Llama(llama_cpp.Llama):
                 raise PolicyError(last_error())
         lib.llama_kvp_clear_error()
         try:
-            super().__init__(model_path, *args, **kwargs)
+            with context_params_with(n_seq_max):
+                super().__init__(model_path, *args, **kwargs)
         except ValueError as exc:
             msg = last_error()
             if msg:
@@ -184,6 +191,10 @@ class Llama(llama_cpp.Llama):
         if ladder is None:
             return (yield from super().generate(tokens, *args, **kwargs))
         return (yield from ladder.generate(tokens, args, kwargs))
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> List[List[int]]:
+        """Greedy continuations of several token prompts decoded together, one sequence each (up to n_seq_max)."""
+        return generate_batch(self, prompts, max_tokens)
 
     def _kv_reuse_prefix(self, tokens: list) -> None:
         # llama-cpp-python keeps the longest common prefix of the cache and the prompt; over a cache a policy has

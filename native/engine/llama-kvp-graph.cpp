@@ -25,11 +25,12 @@ public:
         }
     }
 
-    // a graph is reused while no layer cache was reallocated and every layer covers as many cells as when it was
-    // built (n_kv is padded to 256 cells, so decode steps that fill the cells freed by eviction keep it)
+    // a graph is reused while no layer cache was reallocated, its sequence is the current one (each has caches of its
+    // own) and every layer covers as many cells as when it was built (n_kv is padded to 256 cells, so decode steps
+    // that fill the cells freed by eviction keep it)
     bool can_reuse(const llm_graph_params & params) override {
         const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(params.mctx);
-        if (!pctx || pctx->mem != mem || mem->n_resize != n_resize || pctx->n_layers() != per_layer.size()) {
+        if (!pctx || pctx->mem != mem || mem->n_resize != n_resize || mem->seq_cur != seq || pctx->n_layers() != per_layer.size()) {
             return false;
         }
         bool res = true;
@@ -44,6 +45,7 @@ public:
 
     const llama_kvp_memory * mem = nullptr;
     int32_t n_resize = 0; // reallocations of the memory when the graph was built
+    llama_seq_id seq = 0; // the sequence whose caches the graph attends to
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> per_layer; // by KV layer
     std::vector<int32_t> layer_of_il;                                // model layer -> KV layer
@@ -61,6 +63,7 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
     inp->layer_of_il = mem->layer_of_il;
     inp->mem         = mem;
     inp->n_resize    = mem->n_resize;
+    inp->seq         = mem->seq_cur;
 
     ggml_context * ctx0 = gctx.ctx0;
     const auto & ubatch = gctx.ubatch;

@@ -105,6 +105,22 @@ struct llama_kvp_obs_layer {
 
 class llama_kvp_memory;
 
+// the per-sequence observation state, for a sequence that is not the current one (see llama_kvp_memory::seq_use)
+struct llama_kvp_obs_seq {
+    std::vector<llama_kvp_obs_layer> layers;
+    std::vector<llama_pos>           slot_pos;
+    std::vector<double>              ent_sum;
+
+    int32_t n_cells       = 0;
+    int32_t n_ent         = 0;
+    int32_t n_obs_prompt  = 0;
+    int32_t n_obs_folded  = 0;
+    int32_t n_decode      = 0;
+    int32_t n_obs         = 0;
+    int32_t n_kv_obs      = 0;
+    int32_t n_queries_obs = 0;
+};
+
 struct llama_kvp_context {
     llama_kvp_policy policy;
 
@@ -141,6 +157,8 @@ struct llama_kvp_context {
     bool    sparse_warned = false; // the reason prefill stays dense was logged
     uint32_t n_ubatch     = 512;   // tokens per ubatch at most
 
+    std::vector<llama_kvp_obs_seq> seqs; // by sequence id: the parked state of every sequence but the memory's current one
+
     llama_kvp_context(const llama_model & model) : model(model) {}
 
     // the policy computes observations (its score stage observes)
@@ -171,7 +189,7 @@ struct llama_kvp_kv_access {
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
-    static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos); // an empty cell now holds pos of sequence 0
+    static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq); // an empty cell now holds pos of seq
 
     // ubatches of the decode call a memory context belongs to
     static size_t n_ubatches(const llama_memory_context_i * mctx);
@@ -334,6 +352,9 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
 
 // cell idx of KV layer ikv now holds pos with this accumulated score (a cell filled by a fate stage)
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
+
+// exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
+void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);
 
 // forget the window queries in the ring (a loaded state does not hold them)
 void llama_kvp_obs_forget_queries(llama_kvp_context * st);

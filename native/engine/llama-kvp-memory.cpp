@@ -199,7 +199,51 @@ llama_kvp_memory::llama_kvp_memory(
         layers[i].capacity = capacity_for(b[i]);
         layers[i].kv       = make_cache(layers[i].il, layers[i].capacity);
     }
+    seqs.resize(std::max<uint32_t>(1, cparams.n_seq_max));
+    for (size_t s = 1; s < seqs.size(); ++s) {
+        seq_init(seqs[s]);
+    }
     note_bytes(0);
+}
+
+void llama_kvp_memory::seq_init(llama_kvp_mem_seq & o) const {
+    o.layers.clear();
+    for (const auto & L : layers) {
+        llama_kvp_mem_layer l;
+        l.il       = L.il;
+        l.budget   = L.budget;
+        l.capacity = L.capacity;
+        l.kv       = make_cache(l.il, l.capacity);
+        o.layers.push_back(std::move(l));
+    }
+    o.budget = budget;
+}
+
+void llama_kvp_memory::seq_swap(llama_kvp_mem_seq & o) {
+    std::swap(layers,         o.layers);
+    std::swap(sched_state,    o.sched_state);
+    std::swap(budget,         o.budget);
+    std::swap(n_prompt,       o.n_prompt);
+    std::swap(n_since_prompt, o.n_since_prompt);
+    std::swap(n_steps_total,  o.n_steps_total);
+    std::swap(budgets_set,    o.budgets_set);
+    std::swap(pos_end,        o.pos_end);
+    std::swap(pos_exact,      o.pos_exact);
+}
+
+void llama_kvp_memory::seq_use(llama_seq_id s) {
+    GGML_ASSERT(s >= 0 && (size_t) s < seqs.size());
+    if (s == seq_cur) {
+        return;
+    }
+    // park the current sequence in its own slot (which held nothing), then take s's state out of its slot
+    seq_swap(seqs[seq_cur]);
+    seq_swap(seqs[s]);
+    if (st) {
+        llama_kvp_obs_seq_swap(st, st->seqs[seq_cur]);
+        llama_kvp_obs_seq_swap(st, st->seqs[s]);
+    }
+    seq_cur = s;
 }
 
 uint32_t llama_kvp_memory::resolve_budget(int32_t n_prompt) const {
@@ -230,20 +274,15 @@ std::unique_ptr<llama_kv_cache> llama_kvp_memory::make_cache(int32_t il, uint32_
     const std::string tag = "l" + std::to_string(il);
     return std::make_unique<llama_kv_cache>(
             model, hparams, params.type_k, params.type_v,
-            !cparams.flash_attn, cparams.offload_kqv, cparams.kv_unified,
+            !cparams.flash_attn, cparams.offload_kqv, /*unified: one stream, one sequence in it*/ true,
             size, cparams.n_seq_max, 1, hparams.n_swa, hparams.swa_type,
             nullptr, filter, nullptr, nullptr, tag.c_str());
 }
 
 int64_t llama_kvp_memory::bytes() const {
     int64_t res = 0;
-    for (const auto & L : layers) {
-        if (!L.kv) {
-            continue;
-        }
-        for (const auto & [buft, size] : L.kv->memory_breakdown()) {
-            res += (int64_t) size;
-        }
+    for (const auto & [buft, size] : memory_breakdown()) {
+        res += (int64_t) size;
     }
     return res;
 }
@@ -417,7 +456,7 @@ int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
     const uint32_t size = L.kv->get_size();
     for (uint32_t i = 0; i < size; ++i) {
         if (llama_kvp_kv_access::cell_pos(*L.kv, i) < 0) {
-            llama_kvp_kv_access::cell_set(*L.kv, i, pos);
+            llama_kvp_kv_access::cell_set(*L.kv, i, pos, seq_cur);
             L.bias[pos] = bias;
             if (st) {
                 llama_kvp_obs_layer_forget(st, ikv, pos, pos + 1); // a new token in this cell: not observed yet
@@ -440,7 +479,7 @@ void llama_kvp_memory::cells_restore(int32_t ikv, const std::vector<llama_pos> &
         if (j == size) {
             break;
         }
-        llama_kvp_kv_access::cell_set(*L.kv, j, pos[i]);
+        llama_kvp_kv_access::cell_set(*L.kv, j, pos[i], seq_cur);
         idx[i] = (int32_t) j++;
     }
 }
@@ -494,7 +533,7 @@ void llama_kvp_memory::compact(int32_t ikv) {
     for (size_t i = 0; i < from.size(); ++i) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, from[i]);
         llama_kvp_kv_access::cell_rm(*L.kv, from[i]);
-        llama_kvp_kv_access::cell_set(*L.kv, to[i], p);
+        llama_kvp_kv_access::cell_set(*L.kv, to[i], p, seq_cur);
         if (st) {
             const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
             llama_kvp_obs_cell_set_score(st, ikv, to[i], p, seen ? acc[from[i]] : 0.0f);
@@ -598,11 +637,30 @@ void llama_kvp_memory::resize(int32_t ikv, uint32_t size) {
 llama_memory_context_ptr llama_kvp_memory::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
     GGML_UNUSED(embd_all);
 
+    // each token in one sequence: a ubatch is placed into the caches of the one sequence its tokens belong to
+    const llama_batch & batch = balloc.get_batch();
+    for (int32_t i = 0; n_seq() > 1 && i < batch.n_tokens; ++i) {
+        if (batch.n_seq_id && batch.n_seq_id[i] != 1) {
+            llama_kvp_set_error("a retention policy with several sequences places each token in exactly one sequence (token " +
+                    std::to_string(i) + " is in " + std::to_string(batch.n_seq_id[i]) + ")");
+            LLAMA_LOG_ERROR("%s: pykvcache: token %d of the batch is in %d sequences; with a retention policy each token is in one\n",
+                    __func__, i, batch.n_seq_id[i]);
+            return std::make_unique<llama_kvp_memory_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        if (batch.seq_id && (batch.seq_id[i][0] < 0 || (uint32_t) batch.seq_id[i][0] >= n_seq())) {
+            llama_kvp_set_error("sequence id " + std::to_string(batch.seq_id[i][0]) + " is out of range: this context holds " +
+                    std::to_string(n_seq()) + " sequences (n_seq_max)");
+            LLAMA_LOG_ERROR("%s: pykvcache: sequence id %d of token %d is out of range (n_seq_max = %u)\n",
+                    __func__, batch.seq_id[i][0], i, n_seq());
+            return std::make_unique<llama_kvp_memory_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+    }
+
     balloc.split_reset();
     std::vector<llama_ubatch> ubatches;
     const uint32_t n_split = std::max<uint32_t>(1, std::min(n_ubatch, chunk + (guiding ? n_guide : 0)));
     while (true) {
-        auto ubatch = balloc.split_simple(n_split);
+        auto ubatch = n_seq() > 1 ? balloc.split_seq(n_split) : balloc.split_simple(n_split);
         if (ubatch.n_tokens == 0) {
             break;
         }
@@ -628,7 +686,23 @@ bool llama_kvp_memory::get_can_shift() const {
     return false;
 }
 
+// makes a sequence current for a scope, then the one that was
+struct llama_kvp_seq_scope {
+    llama_kvp_seq_scope(llama_kvp_memory & mem, llama_seq_id s) : mem(mem), prev(mem.seq_cur) { mem.seq_use(s); }
+    ~llama_kvp_seq_scope() { mem.seq_use(prev); }
+
+    llama_kvp_memory & mem;
+    llama_seq_id       prev;
+};
+
 void llama_kvp_memory::clear(bool data) {
+    for (uint32_t s = 0; s < n_seq(); ++s) {
+        llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
+        clear_cur(data);
+    }
+}
+
+void llama_kvp_memory::clear_cur(bool data) {
     for (auto & L : layers) {
         L.kv->clear(data);
         L.bias.clear();
@@ -646,6 +720,24 @@ void llama_kvp_memory::clear(bool data) {
 }
 
 bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (seq_id >= (llama_seq_id) n_seq() && n_seq() > 1) {
+        return false;
+    }
+    if (n_seq() == 1) {
+        return seq_rm_cur(p0, p1);
+    }
+    bool res = true;
+    for (uint32_t s = 0; s < n_seq(); ++s) {
+        if (seq_id < 0 || (llama_seq_id) s == seq_id) {
+            llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
+            res = seq_rm_cur(p0, p1) && res;
+        }
+    }
+    return res;
+}
+
+bool llama_kvp_memory::seq_rm_cur(llama_pos p0, llama_pos p1) {
+    const llama_seq_id seq_id = -1; // the caches of the current sequence hold only its tokens
     bool res = true;
     for (size_t i = 0; i < layers.size(); ++i) {
         if (st) {
@@ -669,7 +761,7 @@ bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
     } else if (a < p1) {
         pos_exact = std::min(pos_exact, a);
     }
-    if (seq_pos_max(seq_id) < 0) {
+    if (pos_end <= 0) {
         budgets_set = false;
         if (st) {
             llama_kvp_obs_reset(st);
@@ -684,13 +776,22 @@ void llama_kvp_memory::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, 
     if (seq_id_src == seq_id_dst) {
         return;
     }
-    llama_kvp_set_error("a retention policy holds one sequence per context: seq_cp is not supported");
-    LLAMA_LOG_ERROR("%s: pykvcache: a retention policy holds one sequence per context, seq_cp(%d -> %d) ignored\n", __func__, seq_id_src, seq_id_dst);
+    llama_kvp_set_error("a retention policy keeps each sequence's tokens in caches of its own: seq_cp is not supported");
+    LLAMA_LOG_ERROR("%s: pykvcache: a retention policy keeps each sequence's tokens in caches of its own, seq_cp(%d -> %d) ignored\n", __func__, seq_id_src, seq_id_dst);
 }
 
 void llama_kvp_memory::seq_keep(llama_seq_id seq_id) {
-    for (auto & L : layers) {
-        L.kv->seq_keep(seq_id);
+    if (n_seq() == 1) {
+        for (auto & L : layers) {
+            L.kv->seq_keep(seq_id);
+        }
+        return;
+    }
+    for (uint32_t s = 0; s < n_seq(); ++s) {
+        if ((llama_seq_id) s != seq_id) {
+            llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
+            clear_cur(true);
+        }
     }
 }
 
@@ -712,7 +813,10 @@ void llama_kvp_memory::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, 
 
 llama_pos llama_kvp_memory::seq_pos_min(llama_seq_id seq_id) const {
     llama_pos res = -1;
-    for (const auto & L : layers) {
+    if (n_seq() > 1 && (seq_id < 0 || seq_id >= (llama_seq_id) n_seq())) {
+        return res;
+    }
+    for (const auto & L : layers_of(n_seq() > 1 ? seq_id : seq_cur)) {
         const llama_pos p = L.kv->seq_pos_min(seq_id);
         if (p >= 0) {
             res = res < 0 ? p : std::min(res, p);
@@ -723,21 +827,78 @@ llama_pos llama_kvp_memory::seq_pos_min(llama_seq_id seq_id) const {
 
 llama_pos llama_kvp_memory::seq_pos_max(llama_seq_id seq_id) const {
     // the logical end, not the last cell held: the next token goes at pos_end whatever the policy evicted
-    GGML_UNUSED(seq_id);
-    return pos_end - 1;
+    if (n_seq() == 1 || seq_id == seq_cur) {
+        return pos_end - 1;
+    }
+    return seq_id >= 0 && seq_id < (llama_seq_id) n_seq() ? seqs[seq_id].pos_end - 1 : -1;
 }
 
 std::map<ggml_backend_buffer_type_t, size_t> llama_kvp_memory::memory_breakdown() const {
     std::map<ggml_backend_buffer_type_t, size_t> res;
-    for (const auto & L : layers) {
-        for (const auto & [buft, size] : L.kv->memory_breakdown()) {
-            res[buft] += size;
+    for (size_t s = 0; s < std::max<size_t>(1, seqs.size()); ++s) {
+        for (const auto & L : layers_of((llama_seq_id) s)) {
+            if (!L.kv) {
+                continue;
+            }
+            for (const auto & [buft, size] : L.kv->memory_breakdown()) {
+                res[buft] += size;
+            }
         }
     }
     return res;
 }
 
+// the state of a whole context of several sequences: this magic, the sequence count, then each sequence's state
+static constexpr uint32_t LLAMA_KVP_STATE_MAGIC_SEQS = 0x5350564b; // "KVPS"
+
 void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    if (n_seq() == 1) {
+        state_write_cur(io, seq_id, flags);
+        return;
+    }
+    // writing visits each sequence's state through the current one, and leaves the current one as it was
+    auto * self = const_cast<llama_kvp_memory *>(this);
+    if (seq_id >= 0) {
+        GGML_ASSERT(seq_id < (llama_seq_id) n_seq());
+        llama_kvp_seq_scope scope(*self, seq_id);
+        state_write_cur(io, seq_id, flags);
+        return;
+    }
+    const uint32_t hdr[2] = { LLAMA_KVP_STATE_MAGIC_SEQS, n_seq() };
+    io.write(hdr, sizeof(hdr));
+    for (uint32_t s = 0; s < n_seq(); ++s) {
+        llama_kvp_seq_scope scope(*self, (llama_seq_id) s);
+        state_write_cur(io, -1, flags);
+    }
+}
+
+void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    if (n_seq() == 1) {
+        state_read_cur(io, seq_id, flags);
+        return;
+    }
+    if (seq_id >= 0) {
+        if (seq_id >= (llama_seq_id) n_seq()) {
+            throw std::runtime_error("pykvcache: sequence id " + std::to_string(seq_id) + " is out of range: this context holds " +
+                    std::to_string(n_seq()) + " sequences");
+        }
+        llama_kvp_seq_scope scope(*this, seq_id);
+        state_read_cur(io, seq_id, flags);
+        return;
+    }
+    uint32_t hdr[2] = {};
+    io.read(hdr, sizeof(hdr));
+    if (hdr[0] != LLAMA_KVP_STATE_MAGIC_SEQS || hdr[1] != n_seq()) {
+        throw std::runtime_error("pykvcache: this state holds " + std::string(hdr[0] == LLAMA_KVP_STATE_MAGIC_SEQS ? std::to_string(hdr[1]) : "1") +
+                " sequence(s), this context holds " + std::to_string(n_seq()) + " (n_seq_max)");
+    }
+    for (uint32_t s = 0; s < n_seq(); ++s) {
+        llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
+        state_read_cur(io, -1, flags);
+    }
+}
+
+void llama_kvp_memory::state_write_cur(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     const uint32_t hdr[6] = { LLAMA_KVP_STATE_MAGIC, LLAMA_KVP_STATE_VERSION, (uint32_t) policy.type, (uint32_t) layers.size(),
                               budget, (uint32_t) n_prompt };
     io.write(hdr, sizeof(hdr));
@@ -793,9 +954,13 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
     }
 }
 
-void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
     uint32_t hdr[6] = {};
     io.read(hdr, 4*sizeof(uint32_t));
+    if (hdr[0] == LLAMA_KVP_STATE_MAGIC_SEQS) {
+        throw std::runtime_error("pykvcache: this state holds " + std::to_string(hdr[1]) + " sequences (n_seq_max), load it into a context "
+                "with as many, or load one sequence's state");
+    }
     if (hdr[0] != LLAMA_KVP_STATE_MAGIC) {
         throw std::runtime_error("pykvcache: this state was not saved by a context with a retention policy (per-layer KV cache)");
     }
@@ -928,6 +1093,7 @@ bool llama_kvp_memory_context::apply() {
     }
     const llama_ubatch & ubatch = ubatches[i_cur];
 
+    mem->seq_use(mem->n_seq() > 1 && ubatch.n_tokens > 0 ? ubatch.seq_id[0][0] : 0);
     mem->prepare_ubatch(ubatch.n_tokens);
 
     ctxs.clear();
@@ -948,6 +1114,18 @@ bool llama_kvp_memory_context::apply() {
         mem->pos_end = std::max(mem->pos_end, ubatch.pos[i] + 1);
     }
     return true;
+}
+
+size_t llama_kvp_memory_context::n_ubatches() const {
+    if (ubatches.empty() || !mem || mem->n_seq() == 1) {
+        return ubatches.size();
+    }
+    const llama_seq_id s = ubatches[i_cur].seq_id[0][0];
+    size_t res = 0;
+    for (const auto & ub : ubatches) {
+        res += ub.n_tokens > 0 && ub.seq_id[0][0] == s ? 1 : 0;
+    }
+    return res;
 }
 
 llama_memory_status llama_kvp_memory_context::get_status() const {

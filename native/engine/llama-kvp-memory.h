@@ -45,6 +45,25 @@ struct llama_kvp_mem_layer {
     std::unique_ptr<llama_kvp_layer_state> sched; // the schedule stage's own state of this layer (nullptr: none)
 };
 
+// the per-sequence state of the memory, for a sequence that is not the current one (see llama_kvp_memory::seq_use)
+struct llama_kvp_mem_seq {
+    std::vector<llama_kvp_mem_layer>       layers;
+    std::unique_ptr<llama_kvp_layer_state> sched_state;
+
+    uint32_t  budget         = 0;
+    int32_t   n_prompt       = 0;
+    int32_t   n_since_prompt = 0;
+    int32_t   n_steps_total  = 0;
+    bool      budgets_set    = false;
+    llama_pos pos_end        = 0;
+    llama_pos pos_exact      = LLAMA_KVP_POS_ALL;
+};
+
+// Several sequences (n_seq_max > 1): every sequence has its own set of per-layer caches, budgets, scores and stage
+// state, as if it had a context of its own of n_ctx_seq tokens. The members below hold the state of the current
+// sequence (seq_cur), and everything in the engine works on them; seq_use(s) parks it in seqs[seq_cur] and takes
+// sequence s's from seqs[s] (and does the same with the observation state of the owning context). Prompts are
+// split so that every ubatch holds tokens of one sequence, and applying a ubatch makes its sequence current.
 class llama_kvp_memory : public llama_memory_i {
 public:
     llama_kvp_memory(
@@ -96,8 +115,17 @@ public:
     // make room for a ubatch of n_tokens in every layer: evict down to the budgets (deciding entropy budgets first)
     void prepare_ubatch(uint32_t n_tokens);
 
-    // K+V bytes of all layer caches now
+    // K+V bytes of all layer caches of all sequences now
     int64_t bytes() const;
+
+    // makes sequence s the current one (0 <= s < n_seq())
+    void seq_use(llama_seq_id s);
+
+    // sequences the memory holds (n_seq_max)
+    uint32_t n_seq() const { return (uint32_t) seqs.size(); }
+
+    // the layers of sequence s (the current ones or the parked ones)
+    const std::vector<llama_kvp_mem_layer> & layers_of(llama_seq_id s) const { return s == seq_cur ? layers : seqs[s].layers; }
 
     // for fate stages: frees cell idx of KV layer ikv; places a token at pos (whose attention mask column gets
     // `bias`) into a free cell of KV layer ikv and returns the cell, or -1 if none is free
@@ -164,6 +192,22 @@ public:
     // they were computed); LLAMA_KVP_POS_ALL while nothing was evicted
     llama_pos pos_exact = LLAMA_KVP_POS_ALL;
 
+    llama_seq_id                   seq_cur = 0; // the sequence whose state the members above hold
+    std::vector<llama_kvp_mem_seq> seqs;        // by sequence id: the parked state of every other sequence
+
+private:
+    // exchanges the current sequence's state with o's
+    void seq_swap(llama_kvp_mem_seq & o);
+
+    // a fresh sequence: empty caches of the budgets the policy starts with
+    void seq_init(llama_kvp_mem_seq & o) const;
+
+    // the current sequence only
+    void clear_cur(bool data);
+    bool seq_rm_cur(llama_pos p0, llama_pos p1);
+    void state_write_cur(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const;
+    void state_read_cur (llama_io_read_i  & io, llama_seq_id seq_id, llama_state_seq_flags flags);
+
 private:
     uint32_t resolve_budget(int32_t n_prompt) const;
     void     restart_budgets(int32_t n_prompt); // the fixed budgets of a prompt of n_prompt tokens (cells stay)
@@ -215,7 +259,9 @@ public:
     // the context of KV layer ikv for the current ubatch
     const llama_kv_cache_context * layer_ctx(int32_t ikv) const { return ctxs[ikv].get(); }
 
-    size_t n_ubatches() const { return ubatches.size(); }
+    // ubatches of the decode call that belong to the current ubatch's sequence (a prompt split into ubatches
+    // observes in each of them; one token of each of several sequences is a decode step of each)
+    size_t n_ubatches() const;
 
     size_t n_layers() const { return ctxs.size(); }
 

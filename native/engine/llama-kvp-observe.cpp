@@ -76,9 +76,9 @@ void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
     kv.v_cells[0].rm(i);
 }
 
-void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos) {
+void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq) {
     kv.v_cells[0].pos_set(i, pos);
-    kv.v_cells[0].seq_add(i, 0);
+    kv.v_cells[0].seq_add(i, seq);
 }
 
 size_t llama_kvp_kv_access::n_ubatches(const llama_memory_context_i * mctx) {
@@ -231,9 +231,6 @@ llama_memory_i * llama_kvp_create_memory(
             throw fail("policy '" + pname + "': " + err);
         }
     }
-    if (cparams.n_seq_max != 1) {
-        throw fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max));
-    }
     if (policy.budget >= 1.0f && policy.budget > (float) cparams.n_ctx_seq && policy.budget != LLAMA_KVP_BUDGET_ALL) {
         char buf[256];
         snprintf(buf, sizeof(buf), "policy '%s': budget=%g is larger than the context (n_ctx=%u)", pname.c_str(), (double) policy.budget, cparams.n_ctx_seq);
@@ -297,9 +294,9 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
     if (hparams.is_mla()) {
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
     }
-    if ((kv && llama_kvp_kv_access::n_stream(*kv) != 1) || cparams.n_seq_max != 1) {
-        throw llama_kvp_fail("policy '" + pname + "' supports one sequence per context (n_seq_max=1), got n_seq_max=" +
-                std::to_string(cparams.n_seq_max));
+    if (kv && (llama_kvp_kv_access::n_stream(*kv) != 1 || cparams.n_seq_max != 1)) {
+        throw llama_kvp_fail("policy '" + pname + "' observes llama.cpp's own cache, which it supports with one sequence per context "
+                "(n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max) + "; retention policies take several");
     }
     if ((uint32_t) policy.window > cparams.n_ctx_seq) {
         throw llama_kvp_fail("policy '" + pname + "': window=" + std::to_string(policy.window) +
@@ -349,34 +346,44 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
     }
 
     st->layer_of_il.assign(hparams.n_layer(), -1);
-    st->layers.resize(n_kv_layers);
     for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
-        auto & L = st->layers[ikv];
-        L.il = ils[ikv];
-        if (L.il >= 0 && L.il < (int32_t) st->layer_of_il.size()) {
-            st->layer_of_il[L.il] = ikv;
-        }
-        // device-resident results, next to each layer's K cache (sink_recent observes nothing: only the bookkeeping)
-        if (st->observing()) {
-            llama_kvp_obs_alloc(st.get(), ikv, (int32_t) st->layer_kv(ikv)->get_size());
-        } else {
-            L.n_cells = (int32_t) st->layer_kv(ikv)->get_size();
-        }
-        if (llama_kvp_policy_sparse(policy)) {
-            llama_kvp_sparse_alloc(st.get(), ikv, (int32_t) cparams.n_ctx_seq);
+        if (ils[ikv] >= 0 && ils[ikv] < (int32_t) st->layer_of_il.size()) {
+            st->layer_of_il[ils[ikv]] = ikv;
         }
     }
-    llama_kvp_update_n_cells(st.get());
 
-    st->slot_pos.assign(policy.window, -1);
-    st->ent_sum.assign(n_kv_layers, 0.0);
+    // the observation state of each sequence, allocated while it is the memory's current one
+    const uint32_t n_seq = mem ? mem->n_seq() : 1;
+    st->seqs.resize(n_seq);
     if (mem) {
         mem->st = st.get();
     }
-
     size_t total = 0;
-    for (const auto & L : st->layers) {
-        total += L.buf ? ggml_backend_buffer_get_size(L.buf.get()) : 0;
+    for (uint32_t s = 0; s < n_seq; ++s) {
+        if (mem) {
+            mem->seq_use((llama_seq_id) s);
+        }
+        st->layers.resize(n_kv_layers);
+        for (int32_t ikv = 0; ikv < n_kv_layers; ++ikv) {
+            auto & L = st->layers[ikv];
+            L.il = ils[ikv];
+            // device-resident results, next to each layer's K cache (sink_recent observes nothing: only the bookkeeping)
+            if (st->observing()) {
+                llama_kvp_obs_alloc(st.get(), ikv, (int32_t) st->layer_kv(ikv)->get_size());
+            } else {
+                L.n_cells = (int32_t) st->layer_kv(ikv)->get_size();
+            }
+            if (llama_kvp_policy_sparse(policy)) {
+                llama_kvp_sparse_alloc(st.get(), ikv, (int32_t) cparams.n_ctx_seq);
+            }
+            total += L.buf ? ggml_backend_buffer_get_size(L.buf.get()) : 0;
+        }
+        llama_kvp_update_n_cells(st.get());
+        st->slot_pos.assign(policy.window, -1);
+        st->ent_sum.assign(n_kv_layers, 0.0);
+    }
+    if (mem) {
+        mem->seq_use(0);
     }
 
     char desc[512];
@@ -1090,6 +1097,20 @@ void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const s
     L.n_kv_obs = n_kv;
     llama_kvp_sync(st);
     ggml_backend_tensor_set(L.mass_acc, acc.data(), 0, acc.size()*sizeof(float));
+}
+
+void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o) {
+    std::swap(st->layers,        o.layers);
+    std::swap(st->slot_pos,      o.slot_pos);
+    std::swap(st->ent_sum,       o.ent_sum);
+    std::swap(st->n_cells,       o.n_cells);
+    std::swap(st->n_ent,         o.n_ent);
+    std::swap(st->n_obs_prompt,  o.n_obs_prompt);
+    std::swap(st->n_obs_folded,  o.n_obs_folded);
+    std::swap(st->n_decode,      o.n_decode);
+    std::swap(st->n_obs,         o.n_obs);
+    std::swap(st->n_kv_obs,      o.n_kv_obs);
+    std::swap(st->n_queries_obs, o.n_queries_obs);
 }
 
 void llama_kvp_obs_reset(llama_kvp_context * st) {

@@ -304,12 +304,12 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
             batch.token[j]     = j < n ? tokens[i0 + j] : tail[j - n];
             batch.pos[j]       = pos0 + i0 + j;
             batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = 0;
+            batch.seq_id[j][0] = mem->seq_cur;
             batch.logits[j]    = 0;
         }
         const int32_t ret = llama_decode(ctx, batch);
         // the prompt-end tokens were only there to score the cache: their positions go to the next chunk
-        llama_memory_seq_rm(llama_get_memory(ctx), 0, pos0 + i0 + n, -1);
+        llama_memory_seq_rm(llama_get_memory(ctx), mem->seq_cur, pos0 + i0 + n, -1);
         if (ret != 0) {
             llama_kvp_set_error("prefill_guided: llama_decode failed (" + std::to_string(ret) + ") at token " + std::to_string(i0));
             res = -1;
@@ -362,6 +362,26 @@ int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memor
     for (const auto & L : mem->layers) {
         out->n_active += (int32_t) llama_kvp_kv_access::n_used(*L.kv);
     }
+    out->n_seq = (int32_t) mem->n_seq();
+    out->seq   = mem->seq_cur;
+    return 0;
+}
+
+int32_t llama_kvp_seq_select(struct llama_context * ctx, int32_t seq_id) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    auto * mem = llama_kvp_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (seq_id < 0 || (uint32_t) seq_id >= mem->n_seq()) {
+        llama_kvp_set_error("seq_select: sequence id " + std::to_string(seq_id) + " is out of range: this context holds " +
+                std::to_string(mem->n_seq()) + " sequences (n_seq_max)");
+        return -1;
+    }
+    ctx->synchronize();
+    mem->seq_use(seq_id);
     return 0;
 }
 
@@ -433,7 +453,7 @@ int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_spars
     if (!st || !out) {
         return -1;
     }
-    const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), 0);
+    const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), st->mem ? st->mem->seq_cur : 0);
     out->n_layer = (int32_t) st->layers.size();
     out->n_head  = st->n_head;
     out->n_seg   = p_max < 0 ? 0 : std::min<int32_t>((p_max + st->policy.segment)/st->policy.segment, st->layers[0].n_seg_max);

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 8
+#define LLAMA_KVP_API_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -250,6 +250,9 @@ struct llama_kvp_memory_info {
     int64_t host_bytes;      // K+V bytes in the host tier now (fate stage `host`; not in `bytes`)
     int64_t host_bytes_peak; // largest host-tier bytes at any time
     int32_t n_active;   // tokens the layer caches hold now, all layers (the host tier's are not counted)
+    int32_t n_seq;      // sequences the context holds (n_seq_max), each in caches of its own; `bytes` and
+                        // `bytes_peak` count all of them, budget, n_prompt and n_active the current one
+    int32_t seq;        // the current sequence (see llama_kvp_seq_select)
 };
 
 struct llama_kvp_layer_budget {
@@ -269,6 +272,12 @@ int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
 // there, removes the rest and restarts the policy for the prompt (budgets, scores, decode schedule). Returns the
 // positions kept: the caller evaluates the prompt from there (0: the cache is empty, evaluate it all).
 int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int32_t n_want);
+
+// several sequences (a context with n_seq_max > 1): every sequence has layer caches, budgets, scores and stage state
+// of its own, as if it had a context of n_ctx/n_seq_max tokens; each token of a batch belongs to one sequence. The
+// functions of this header act on the current sequence: the one whose tokens were decoded last, or the one this
+// selects (e.g. before llama_kvp_set_prompt_len or the telemetry of a sequence).
+int32_t llama_kvp_seq_select(struct llama_context * ctx, int32_t seq_id);
 
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
 

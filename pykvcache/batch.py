@@ -1,0 +1,116 @@
+"""Several sequences in one context: greedy generation of many prompts decoded together, each in caches of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, List, Sequence
+
+import numpy as np
+
+from ._native import import_llama_cpp, last_error, native
+from .policies import PolicyError
+
+llama_cpp = import_llama_cpp()
+
+_params_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def context_params_with(n_seq_max: int) -> Iterator[None]:
+    """While active, contexts llama-cpp-python creates hold n_seq_max sequences (its Llama has no such argument)."""
+    import llama_cpp.llama_cpp as lib
+
+    if n_seq_max == 1:
+        yield
+        return
+    with _params_lock:
+        orig = lib.llama_context_default_params
+
+        def params() -> Any:
+            p = orig()
+            p.n_seq_max = n_seq_max
+            return p
+
+        lib.llama_context_default_params = params
+        try:
+            yield
+        finally:
+            lib.llama_context_default_params = orig
+
+
+def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> List[List[int]]:
+    """Greedy continuations of several prompts, decoded together in sequences 0..n-1 of `llm`'s context."""
+    n_seq = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))
+    if not prompts or len(prompts) > n_seq:
+        raise ValueError(f"generate_batch takes 1 to n_seq_max={n_seq} prompts, got {len(prompts)}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_batch: every prompt needs at least one token")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n_ctx_seq = llm.n_ctx() // n_seq
+    longest = max(len(p) for p in prompts) + max_tokens
+    if longest > n_ctx_seq:
+        raise ValueError(f"a prompt and its {max_tokens} tokens need {longest} positions, each sequence has "
+                         f"n_ctx/n_seq_max = {n_ctx_seq}")
+
+    ctx = llm._ctx.ctx
+    llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+    llm.n_tokens = 0  # llama-cpp-python's own record of sequence 0 no longer holds
+    pol = getattr(llm, "kv_policy", None)
+    if pol is not None and pol.retains:
+        _, lib = native()
+        nctx = llm._native_ctx()
+        for s, p in enumerate(prompts):  # a fractional budget is resolved against each sequence's own prompt
+            if lib.llama_kvp_seq_select(nctx, s) != 0 or lib.llama_kvp_set_prompt_len(nctx, len(p)) != 0:
+                raise PolicyError(last_error())
+
+    n_batch = llm.n_batch
+    batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
+    try:
+        # the prompts, n_batch tokens per decode call in sequence order; each prompt's last token gives logits
+        pending = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+        cur = {}
+        for i0 in range(0, len(pending), n_batch):
+            part = [(s, i, t, i == len(prompts[s]) - 1) for s, i, t in pending[i0 : i0 + n_batch]]
+            _fill(batch, [(t, i, s, last) for s, i, t, last in part])
+            _decode(ctx, batch)
+            cur.update({s: _argmax(ctx, j, llm.n_vocab()) for j, (s, _, _, last) in enumerate(part) if last})
+        # then one token per live sequence per decode call
+        out: List[List[int]] = [[cur[s]] for s in range(len(prompts))]
+        pos = [len(p) for p in prompts]
+        eos = llm.token_eos()
+        live = [s for s in range(len(prompts)) if cur[s] != eos and max_tokens > 1]
+        while live:
+            _fill(batch, [(cur[s], pos[s], s, True) for s in live])
+            _decode(ctx, batch)
+            for j, s in enumerate(live):
+                pos[s] += 1
+                cur[s] = _argmax(ctx, j, llm.n_vocab())
+                out[s].append(cur[s])
+            live = [s for s in live if cur[s] != eos and len(out[s]) < max_tokens]
+        return out
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def _fill(batch: Any, items: Sequence[tuple]) -> None:
+    # items: (token, position, sequence, wants logits)
+    batch.n_tokens = len(items)
+    for j, (t, p, s, logits) in enumerate(items):
+        batch.token[j] = t
+        batch.pos[j] = p
+        batch.n_seq_id[j] = 1
+        batch.seq_id[j][0] = s
+        batch.logits[j] = logits
+
+
+def _decode(ctx: Any, batch: Any) -> None:
+    ret = llama_cpp.llama_decode(ctx, batch)
+    if ret != 0:
+        raise RuntimeError(f"llama_decode failed ({ret}): {last_error() or 'see the log'}")
+
+
+def _argmax(ctx: Any, j: int, n_vocab: int) -> int:
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, j), shape=(n_vocab,))
+    return int(np.argmax(logits))

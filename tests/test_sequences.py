@@ -1,0 +1,150 @@
+"""Several sequences in one context (n_seq_max > 1): each sequence behaves as in a context of its own."""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from pykvcache import Llama, PolicyError
+from pykvcache._native import last_error, native
+
+TEXTS = [
+    "The capital of France is Paris. " * 20 + "Q: What is the capital of France? A:",
+    "def add(a, b):\n    return a + b\n" * 15 + "# the function above",
+    "Once upon a time there was a lighthouse keeper named Ada. " * 12 + "The keeper was called",
+]
+N_CTX_SEQ = 512
+
+
+def _single_runs(model_path, spec, prompts, n):
+    """Tokens of each prompt in a context of its own, and the KV bytes of those contexts."""
+    res, n_bytes = [], 0
+    for p in prompts:
+        llm = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, kv_policy=spec)
+        res.append(llm.generate_batch([p], n)[0])
+        n_bytes += llm.kv_memory().bytes
+        llm.close()
+    return res, n_bytes
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=64", "entropy:budget=64", "h2o:budget=64",
+                                  "sink_recent:n_sink=4,n_recent=60", "snapkv:budget=0.3+summarise", None])
+def test_batched_sequences_generate_what_single_contexts_do(model_path, spec):
+    llm = Llama(model_path, n_ctx=3*N_CTX_SEQ, n_seq_max=3, verbose=False, kv_policy=spec)
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS]
+    out = llm.generate_batch(prompts, 24)
+    ref, ref_bytes = _single_runs(model_path, spec, prompts, 24)
+    assert out == ref
+    if spec is not None:
+        # every sequence kept its own budgets: the memory is that of three single contexts
+        mem = llm.kv_memory()
+        assert mem.n_evicted > 0
+        assert mem.bytes == ref_bytes
+    llm.close()
+
+
+def test_each_sequence_resolves_its_own_budget(model_path):
+    llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="snapkv:budget=0.25")
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
+    llm.generate_batch(prompts, 4)
+    _, lib = native()
+    for s, p in enumerate(prompts):
+        assert lib.llama_kvp_seq_select(llm._native_ctx(), s) == 0
+        mem = llm.kv_memory()
+        assert mem.n_prompt == len(p)
+        assert mem.budget == round(0.25*len(p))
+        assert all(layer.n_used <= layer.budget + 1 for layer in mem.layers)
+    assert lib.llama_kvp_seq_select(llm._native_ctx(), 2) != 0
+    assert "out of range" in last_error()
+    llm.close()
+
+
+def _decode_steps(llm, seqs, cur, pos, n):
+    """n greedy steps of the given sequences together, from their current tokens and positions."""
+    ctx = llm._ctx.ctx
+    batch = llama_cpp.llama_batch_init(len(seqs), 0, 1)
+    out = {s: [] for s in seqs}
+    try:
+        for _ in range(n):
+            batch.n_tokens = len(seqs)
+            for j, s in enumerate(seqs):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = cur[s], pos[s], 1, True
+                batch.seq_id[j][0] = s
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            for j, s in enumerate(seqs):
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, j), shape=(llm.n_vocab(),))
+                cur[s] = int(np.argmax(logits))
+                pos[s] += 1
+                out[s].append(cur[s])
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    return out
+
+
+def test_a_sequence_saved_and_loaded_into_another_continues_alike(model_path):
+    llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="sink_recent:n_sink=4,n_recent=60")
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
+    first = llm.generate_batch(prompts, 8)
+    ctx = llm._ctx.ctx
+    n = llama_cpp.llama_state_seq_get_size(ctx, 1)
+    buf = (ctypes.c_uint8 * n)()
+    assert llama_cpp.llama_state_seq_get_data(ctx, buf, n, 1) == n
+
+    # sequence 1 goes on; then its saved state replaces sequence 0 and goes on from the same point
+    pos = {1: len(prompts[1]) + 7, 0: len(prompts[1]) + 7}
+    expect = _decode_steps(llm, [1], {1: first[1][-1]}, dict(pos), 8)[1]
+    assert llama_cpp.llama_state_seq_set_data(ctx, buf, n, 0) == n
+    got = _decode_steps(llm, [0], {0: first[1][-1]}, dict(pos), 8)[0]
+    assert got == expect
+    llm.close()
+
+
+def test_the_whole_state_holds_every_sequence(model_path):
+    llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="h2o:budget=64")
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
+    first = llm.generate_batch(prompts, 8)
+    state = llm.save_state()
+    pos = {s: len(p) + 7 for s, p in enumerate(prompts)}
+    cur = {s: first[s][-1] for s in (0, 1)}
+    expect = _decode_steps(llm, [0, 1], dict(cur), dict(pos), 8)
+    llm.load_state(state)
+    assert _decode_steps(llm, [0, 1], dict(cur), dict(pos), 8) == expect
+
+    # a context holding one sequence refuses it (the log names both counts)
+    one = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, kv_policy="h2o:budget=64")
+    with pytest.raises(RuntimeError):
+        one.load_state(state)
+    one.close()
+    llm.close()
+
+
+def test_a_token_in_two_sequences_is_refused(model_path):
+    llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="snapkv:budget=64")
+    batch = llama_cpp.llama_batch_init(4, 0, 2)
+    try:
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 1, 0, 2, True
+        batch.seq_id[0][0], batch.seq_id[0][1] = 0, 1
+        assert llama_cpp.llama_decode(llm._ctx.ctx, batch) != 0
+        assert "exactly one sequence" in last_error()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    # the context still works
+    assert len(llm.generate_batch([llm.tokenize(b"Hello")], 2)[0]) == 2
+    llm.close()
+
+
+def test_bad_arguments(model_path):
+    with pytest.raises(ValueError, match="n_seq_max must be an integer >= 1"):
+        Llama(model_path, n_ctx=N_CTX_SEQ, n_seq_max=0, verbose=False)
+    with pytest.raises(PolicyError, match="one sequence per context"):
+        Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="observe")
+    llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="snapkv:budget=64")
+    with pytest.raises(ValueError, match="1 to n_seq_max=2 prompts"):
+        llm.generate_batch([[1], [2], [3]], 4)
+    with pytest.raises(ValueError, match="n_ctx/n_seq_max = 512"):
+        llm.generate_batch([[1] * 500], 16)
+    llm.close()
