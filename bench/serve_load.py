@@ -3,9 +3,11 @@ reporting throughput, latency, KV memory and errors.
 
     python bench/serve_load.py                                   # 4 clients, 60 s, entropy:budget=256
     python bench/serve_load.py -c 8 -d 120 --kv-policy snapkv:budget=512 --kv-policy none
+    python bench/serve_load.py -c 4 --n-parallel 1,4              # requests one at a time, then 4 at once
 
-The server is started on 127.0.0.1 for each policy and stopped after its run; requests queue on it
-(`--interrupt_requests false`): one sequence per context.
+The server is started on 127.0.0.1 for each (policy, n_parallel) and stopped after its run. With n_parallel 1
+requests queue on it (`--interrupt_requests false`); with N > 1 up to N are served at once, each in a sequence of
+its own (the server's n_ctx is N times --n-ctx, so every sequence has --n-ctx positions).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(policy, n_ctx, threads):
+def start_server(policy, n_ctx, threads, n_parallel=1):
     port = free_port()
     args = [sys.executable, "-m", "pykvcache.server", "--host", "127.0.0.1", "--port", str(port), "--n_ctx",
-            str(n_ctx), "--interrupt_requests", "false", "--n_threads", str(threads)]
+            str(n_ctx * n_parallel), "--interrupt_requests", "false", "--n_threads", str(threads),
+            "--n_parallel", str(n_parallel)]
     if policy != "none":
         args += ["--kv-policy", policy]
     log = tempfile.TemporaryFile()
@@ -57,11 +60,11 @@ def start_server(policy, n_ctx, threads):
     raise RuntimeError("the server did not start")
 
 
-def run(policy, clients, duration, max_tokens, n_ctx, threads):
+def run(policy, clients, duration, max_tokens, n_ctx, threads, n_parallel=1):
     """One load run against a fresh server; returns its figures."""
     import openai
 
-    proc, url = start_server(policy, n_ctx, threads)
+    proc, url = start_server(policy, n_ctx, threads, n_parallel)
     errors, tokens, latencies, first = [], [], [], []
     lock = threading.Lock()
     end = time.time() + duration
@@ -101,7 +104,7 @@ def run(policy, clients, duration, max_tokens, n_ctx, threads):
     proc.terminate()
     proc.wait(timeout=30)
     return {
-        "policy": policy, "clients": clients, "seconds": wall, "requests": len(tokens), "errors": len(errors),
+        "policy": policy, "n_parallel": n_parallel, "clients": clients, "seconds": wall, "requests": len(tokens), "errors": len(errors),
         "error_samples": errors[:3], "tokens": sum(tokens), "tokens_per_s": sum(tokens) / wall,
         "latency_p50": statistics.median(latencies) if latencies else None,
         "first_token_p50": statistics.median(first) if first else None,
@@ -116,23 +119,26 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--clients", type=int, default=4, help="concurrent streaming clients (default 4)")
     ap.add_argument("-d", "--duration", type=float, default=60, help="seconds of load per policy (default 60)")
     ap.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
-    ap.add_argument("--n-ctx", type=int, default=2048, help="context of the server (default 2048)")
+    ap.add_argument("--n-ctx", type=int, default=2048, help="context per sequence (default 2048)")
+    ap.add_argument("--n-parallel", default="1", help="comma-separated sequences served at once (default 1)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="server threads (default: all)")
     ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
     args = ap.parse_args(argv)
     rows = []
     for pol in args.kv_policy or ["entropy:budget=256"]:
-        print(f"serve_load: {pol}, {args.clients} clients, {args.duration:.0f} s ...", file=sys.stderr, flush=True)
-        rows.append(run(pol, args.clients, args.duration, args.max_tokens, args.n_ctx, args.threads))
+        for n_par in (int(x) for x in args.n_parallel.split(",")):
+            print(f"serve_load: {pol}, n_parallel {n_par}, {args.clients} clients, {args.duration:.0f} s ...",
+                  file=sys.stderr, flush=True)
+            rows.append(run(pol, args.clients, args.duration, args.max_tokens, args.n_ctx, args.threads, n_par))
     if args.output == "json":
         print(json.dumps({"machine": machine(), "rows": rows}, indent=2))
         return 0
     print(f"machine: {machine()}; {args.clients} streaming clients, {args.duration:.0f} s per policy, "
           f"{args.max_tokens} tokens per answer\n")
-    print("| policy | requests | errors | tokens/s | latency p50 s | first token p50 s | KV MiB (peak) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| policy | n_parallel | requests | errors | tokens/s | latency p50 s | first token p50 s | KV MiB (peak) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['policy']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
+        print(f"| {r['policy']} | {r['n_parallel']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
               f"{r['latency_p50'] or 0:.2f} | {r['first_token_p50'] or 0:.2f} | {r['kv_bytes_peak'] / 2**20:.1f} |")
     return 0
 

@@ -2,7 +2,8 @@
 
 Everything of `python -m llama_cpp.server` works as there (its flags, its config file, chat and text completions,
 streaming, chat templates); added are `--kv-policy SPEC` (and a `kv_policy` key per model in the config file) and
-`GET /v1/kv/stats`, the KV memory and a telemetry summary of the loaded model.
+`GET /v1/kv/stats`, the KV memory and a telemetry summary of the loaded model, and `--n_parallel N`: N requests
+served at once, each in a sequence of its own (n_ctx/N positions, the policy's caches and budgets per sequence).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import argparse
 import functools
 import os
 import sys
-from typing import Any, Dict, List, Literal, Optional
+import threading
+from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
 from .llama import Llama, default_model_path
@@ -20,6 +22,7 @@ from .policies import PolicyError, as_policy
 try:
     import llama_cpp
     import llama_cpp.server.app as server_app
+    import anyio
     import uvicorn
     from fastapi import Depends
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
@@ -43,6 +46,10 @@ class KVModelSettings(ModelSettings):
                                                    "cache the policy pruned: 'exact' (the result of a fresh evaluation; "
                                                    "re-evaluates) or 'continue' (the common prefix as the policy left "
                                                    "it; cheaper for long chats).")
+
+    n_parallel: int = Field(default=1, ge=1, le=64, description="Requests served at once, each in a sequence of its "
+                            "own with n_ctx/n_parallel positions (and, with a policy, caches and budgets of its own); "
+                            "llama-server's --parallel. 1: one request at a time, as llama-cpp-python's server.")
 
     @field_validator("kv_policy")
     @classmethod
@@ -70,7 +77,8 @@ class KVLlamaProxy(LlamaProxy):
             raise ValueError("pykvcache serve loads local GGUF files: hf_model_repo_id is not supported")
         saved = llama_cpp.Llama
         llama_cpp.Llama = functools.partial(Llama, kv_policy=getattr(settings, "kv_policy", None),
-                                            kv_reuse=getattr(settings, "kv_reuse", "exact"))
+                                            kv_reuse=getattr(settings, "kv_reuse", "exact"),
+                                            n_seq_max=getattr(settings, "n_parallel", 1))
         try:
             return LlamaProxy.load_llama_from_model_settings(settings)
         finally:
@@ -106,8 +114,95 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
     return res
 
 
+class ViewPool:
+    """The sequence views of the loaded model: a request takes a free one for its duration (--n_parallel > 1)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.views: List[Any] = []
+        self.free: List[Any] = []
+        self.llama: Optional[Llama] = None
+        self._sem: Optional[anyio.Semaphore] = None
+        self._load = threading.Lock()
+
+    def _views_of(self, llama: Llama) -> None:
+        from .parallel import sequence_views
+
+        with self._load:
+            if self.llama is not llama:
+                self.llama = llama
+                self.views = sequence_views(llama)
+                self.free = list(self.views)
+
+    async def take(self, proxy: LlamaProxy) -> "PoolProxy":
+        """Wait for a free sequence; the model loads on the first request."""
+        if self._sem is None:
+            self._sem = anyio.Semaphore(self.n)
+        await self._sem.acquire()
+        try:
+            self._views_of(proxy(None))
+            return PoolProxy(proxy, self, self.free.pop())
+        except BaseException:
+            self._sem.release()
+            raise
+
+    def give(self, view: Any) -> None:
+        """The request on `view` is over."""
+        self.free.append(view)
+        assert self._sem is not None
+        self._sem.release()
+
+
+class PoolProxy:
+    """What a request sees as llama-cpp-python's model proxy: calling it gives the request's sequence view."""
+
+    def __init__(self, proxy: LlamaProxy, pool: ViewPool, view: Any) -> None:
+        self._proxy = proxy
+        self._pool = pool
+        self.view = view
+
+    def __call__(self, model: Optional[str] = None) -> Any:
+        return self.view
+
+    def __iter__(self) -> Any:
+        return iter(self._proxy)
+
+    def __getitem__(self, model: str) -> Any:
+        return self._proxy[model]
+
+
+def use_view_pool(app: Any, n_parallel: int) -> ViewPool:
+    """Serve each request on a sequence view of its own instead of under the server's one-request lock."""
+    pool = ViewPool(n_parallel)
+    upstream = server_app.get_llama_proxy
+
+    async def get_llama_proxy() -> AsyncIterator[Any]:
+        if server_app._llama_proxy is None:
+            yield None
+            return
+        proxy = await pool.take(server_app._llama_proxy)
+        try:
+            yield proxy
+        finally:
+            pool.give(proxy.view)
+
+    # the routes call the module's function by name, the others reach it through Depends
+    server_app.get_llama_proxy = get_llama_proxy
+    app.dependency_overrides[upstream] = get_llama_proxy
+    app.state.kv_pool = pool
+    return pool
+
+
 def add_kv_routes(app: Any) -> None:
     """Add `GET /v1/kv/stats` to a llama-cpp-python server app."""
+
+    pool: Optional[ViewPool] = getattr(app.state, "kv_pool", None)
+    if pool is not None:
+        @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
+                 dependencies=[Depends(server_app.authenticate)])
+        async def kv_stats_parallel() -> Dict[str, Any]:
+            return {"object": "list", "data": [await anyio.to_thread.run_sync(pool_stats, pool, server_app._llama_proxy)]}
+        return
 
     @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
              dependencies=[Depends(server_app.authenticate)])
@@ -124,10 +219,35 @@ def add_kv_routes(app: Any) -> None:
         return {"object": "list", "data": models}
 
 
+def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
+    """The KV stats of the model the pool serves, with each sequence's budget and cells, read between decode steps."""
+    alias = next(iter(llama_proxy))
+    if pool.llama is None:
+        return {"model": alias, "loaded": False, "policy": llama_proxy[alias].get("kv_policy")}
+    from .parallel import sequence_stats
+
+    turn = object()
+    pool.views[0]._turns.take(turn)
+    try:
+        entry = {"model": alias, "loaded": True, "n_parallel": pool.n, **kv_stats_of(pool.llama)}
+        if pool.llama.kv_policy is not None and pool.llama.kv_policy.retains:
+            entry["kv_bytes"] = pool.llama.kv_memory().bytes  # every sequence's caches
+    finally:
+        pool.views[0]._turns.give(turn)
+    entry["sequences"] = [dict(row, busy=v not in pool.free) for v, row in zip(pool.views, sequence_stats(pool.llama, pool.views))]
+    entry["n_tokens"] = sum(row["n_tokens"] for row in entry["sequences"])
+    return entry
+
+
 def create_app(server_settings: ServerSettings, model_settings: List[KVModelSettings]) -> Any:
     """The llama-cpp-python server app on pykvcache: every model loaded with its KV policy, plus /v1/kv/stats."""
+    n_parallel = max(getattr(m, "n_parallel", 1) for m in model_settings)
+    if n_parallel > 1 and len(model_settings) > 1:
+        raise ValueError("n_parallel > 1 serves one model: give the config file one model, or n_parallel 1")
     server_app.LlamaProxy = KVLlamaProxy
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    if n_parallel > 1:
+        use_view_pool(app, n_parallel)
     add_kv_routes(app)
     return app
 

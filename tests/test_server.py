@@ -170,3 +170,69 @@ def test_concurrent_streaming_clients(server):
     assert errors == [] and sum(tokens) > 0
     (m,) = kv_stats(server)
     assert all(row["n_used"] <= row["budget"] + 1 for row in m["layers"])
+
+
+QUESTIONS = ["Tell me about the moon.", "What is 2+2? Explain.", "Write a haiku about rain."]
+
+
+@pytest.fixture(scope="module")
+def parallel_server(tmp_path_factory):
+    proc, url = start(["--kv-policy", POLICY, "--n_ctx", "1536", "--n_parallel", "3"], tmp_path_factory.mktemp("par"))
+    yield url
+    stop(proc)
+
+
+def test_parallel_requests_run_at_once_each_as_alone(parallel_server, model_path):
+    """--n_parallel 3: three streaming chats are in flight together, each answered as a context of its own would."""
+    spans, answers = [None] * 3, [None] * 3
+
+    def ask(i):
+        c = openai.OpenAI(base_url=parallel_server + "/v1", api_key="unused", max_retries=0, timeout=120)
+        t0 = time.time()
+        s = c.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=32,
+                                      temperature=0, stream=True)
+        answers[i] = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+        spans[i] = (t0, time.time())
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(a for a, _ in spans) < min(b for _, b in spans)  # all three were being answered at one time
+
+    from pykvcache import Llama
+
+    for q, a in zip(QUESTIONS, answers):
+        llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=POLICY)
+        ref = llm.create_chat_completion([{"role": "user", "content": q}], max_tokens=32, temperature=0,
+                                         repeat_penalty=1.1)  # the server's default
+        llm.close()
+        assert a == ref["choices"][0]["message"]["content"]
+
+    (m,) = kv_stats(parallel_server)
+    assert m["n_parallel"] == 3 and len(m["sequences"]) == 3
+    assert all(row["n_tokens"] > 10 and row["budget"] == 64 and not row["busy"] for row in m["sequences"])
+
+
+def test_parallel_server_survives_disconnects_and_bad_requests(parallel_server):
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True}).encode()
+    req = urllib.request.Request(parallel_server + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    for _ in range(4):  # more hang-ups than sequences: each one's sequence comes back
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.readline()
+    c = openai.OpenAI(base_url=parallel_server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        c.completions.create(model="m", prompt="word " * 600, max_tokens=8)  # > n_ctx/n_parallel = 512
+    assert c.completions.create(model="m", prompt="The capital of France is", max_tokens=4).choices[0].text
+
+
+def test_parallel_with_several_models_is_refused(tmp_path, model_path):
+    cfg = {"models": [{"model": model_path, "model_alias": "a", "n_parallel": 2},
+                      {"model": model_path, "model_alias": "b"}]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(path)], cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "n_parallel > 1 serves one model" in res.stderr

@@ -44,11 +44,11 @@ int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
     }
 
     if (r <= 0) {
-        seq_rm(-1, 0, -1);
+        seq_rm_cur(0, -1); // the current sequence only
         return 0;
     }
 
-    seq_rm(-1, r, -1);
+    seq_rm_cur(r, -1);
     restart_budgets(n_prompt);
     if (st) {
         llama_kvp_obs_reset(st);

@@ -1,0 +1,174 @@
+"""Parallel requests on one context: a view of a `Llama` per sequence, taking turns on the shared context.
+
+A context created with `n_seq_max=N` holds N sequences (each with caches of its own under a retention policy). A
+`SequenceView` is the `Llama` seen through one sequence: llama-cpp-python's whole completion path (chat templates,
+sampling, stop strings, streaming) runs on it unchanged, while its decode calls and cache edits go to its sequence.
+Views take turns: a view holds the context from a decode until it has sampled from that decode's logits (the
+sampler reads the context's last logits), so requests on different views advance token by token, interleaved.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Generator, List, Optional, Sequence
+
+import numpy as np
+
+from ._native import native
+from .llama import Llama
+
+
+class Turns:
+    """Who may use the shared context now: a lock any thread may release, held by one turn token at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder: Optional[object] = None
+
+    def take(self, token: object) -> None:
+        """Wait for the context unless `token` holds it already."""
+        if self.holder is token:
+            return
+        self._lock.acquire()
+        self.holder = token
+
+    def give(self, token: object) -> None:
+        """Release the context if `token` holds it."""
+        if self.holder is token:
+            self.holder = None
+            self._lock.release()
+
+
+class _SequenceContext:
+    """llama-cpp-python's LlamaContext as one sequence sees it: decodes and cache edits go to that sequence."""
+
+    def __init__(self, inner: Any, view: "SequenceView", n_ctx_seq: int) -> None:
+        self._inner = inner
+        self._view = view
+        self._n_ctx_seq = n_ctx_seq
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def n_ctx(self) -> int:
+        return self._n_ctx_seq
+
+    def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        self._view._take()
+        return self._inner.kv_cache_seq_rm(self._view.seq, p0, p1)
+
+    def kv_cache_clear(self) -> None:
+        self.kv_cache_seq_rm(self._view.seq, -1, -1)
+
+    def decode(self, batch: Any) -> None:
+        self._view._take()
+        b = batch.batch
+        for i in range(b.n_tokens):
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = self._view.seq
+        self._inner.decode(batch)
+
+
+class SequenceView(Llama):
+    """A `Llama` bound to one sequence of another `Llama`'s context (created by `sequence_views`)."""
+
+    seq: int
+    _turns: Turns
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - views are made by sequence_views
+        raise TypeError("SequenceView is made by pykvcache.parallel.sequence_views(llm)")
+
+    def close(self) -> None:
+        """A view owns nothing: closing the `Llama` it came from frees the model and context."""
+
+    def __del__(self) -> None:
+        pass
+
+    def _take(self) -> None:
+        self._turns.take(self._turn)
+
+    def _give(self) -> None:
+        self._turns.give(self._turn)
+
+    def _native_ctx(self) -> Any:
+        # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence; inside
+        # `generate` they take the turn, elsewhere their caller holds it (eval, kv_sequence_stats)
+        if self._generating:
+            self._take()
+        ctx = super()._native_ctx()
+        if self._kv_policy is not None and self._kv_policy.retains:
+            native()[1].llama_kvp_seq_select(ctx, self.seq)
+        return ctx
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate tokens in this view's sequence (it keeps the context until it samples, inside `generate`)."""
+        self._take()
+        try:
+            super().eval(tokens)
+        finally:
+            if not self._generating:
+                self._give()
+
+    def sample(self, *args: Any, **kwargs: Any) -> int:
+        """Sample from this view's last decode, then let the other views have the context."""
+        try:
+            return super().sample(*args, **kwargs)
+        finally:
+            self._give()
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
+        """Generate tokens (llama_cpp.Llama.generate) in this view's sequence."""
+        turn = object()  # this call's turn token: a generator left behind by an earlier request never releases ours
+        self._turn = turn
+        self._generating = True
+        try:
+            return (yield from super().generate(tokens, *args, **kwargs))
+        finally:
+            if self._turn is turn:
+                self._generating = False
+            self._turns.give(turn)
+
+def sequence_views(llm: Llama) -> List[SequenceView]:
+    """One view per sequence of `llm`'s context (n_seq_max of them), sharing its model, context and turns."""
+    import llama_cpp
+
+    n_seq = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))
+    n_ctx_seq = llm.n_ctx() // n_seq
+    turns = Turns()
+    views = []
+    for s in range(n_seq):
+        v = copy.copy(llm)
+        v.__class__ = SequenceView
+        v.seq = s
+        v._turns = turns
+        v._turn = object()
+        v._generating = False
+        v._ctx = _SequenceContext(llm._ctx, v, n_ctx_seq)
+        v._n_ctx = n_ctx_seq
+        v.n_tokens = 0
+        v.input_ids = np.ndarray((n_ctx_seq,), dtype=np.intc)
+        v.scores = np.ndarray((n_ctx_seq if llm._logits_all else llm.n_batch, llm._n_vocab), dtype=np.single)
+        v._mirostat_mu = copy.copy(llm._mirostat_mu)
+        views.append(v)
+    return views
+
+
+def sequence_stats(llm: Llama, views: List[SequenceView]) -> List[dict]:
+    """Each sequence's tokens, budget and active cells, read between two decode steps of the views."""
+    _, lib = native()
+    pol = llm.kv_policy
+    turn = object()
+    views[0]._turns.take(turn)
+    try:
+        res = []
+        for v in views:
+            row = {"seq": v.seq, "n_tokens": int(v.n_tokens)}
+            if pol is not None and pol.retains:
+                lib.llama_kvp_seq_select(llm._native_ctx(), v.seq)
+                mem = llm.kv_memory()
+                row.update(budget=mem.budget, n_active=mem.n_active)
+            res.append(row)
+        return res
+    finally:
+        views[0]._turns.give(turn)
