@@ -110,7 +110,8 @@ class Llama(llama_cpp.Llama):
         return from_native(p)
 
     def kv_stats(self) -> KVStats:
-        """KV-cache memory per layer and in total, read from the real ggml buffers."""
+        """KV-cache memory per layer and in total, read from the real ggml buffers (with a retention policy and several
+        sequences: the current sequence's caches)."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n = lib.llama_kvp_n_layers(ctx)
@@ -216,7 +217,8 @@ class Llama(llama_cpp.Llama):
             raise PolicyError(last_error())
 
     def kv_memory(self) -> KVMemory:
-        """KV memory now and at its peak (bytes of the real ggml buffers), with the per-layer budgets of a policy."""
+        """KV memory now and at its peak (bytes of the real ggml buffers, all sequences), with the per-layer budgets of
+        a policy (of the current sequence)."""
         ffi, lib = native()
         ctx = self._native_ctx()
         info = ffi.new("struct llama_kvp_memory_info *")
