@@ -138,7 +138,8 @@ def split_policies(text: str) -> List[str]:
     """The policies of a comma-separated list whose items may carry their own keys (snapkv,entropy:pool=5,topk_share=0.9)."""
     out: List[str] = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
-        if out and "=" in x and ":" not in x:  # a key of the policy before it
+        head = x.split("+")[0]  # a key may be followed by more stages: pool=5+window:pool_max=0
+        if out and "=" in head and ":" not in head:  # a key of the policy before it
             out[-1] += "," + x
         else:
             out.append(x)

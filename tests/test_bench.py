@@ -214,6 +214,8 @@ def test_eval_policies_take_their_own_keys():
     assert policy_spec("sink_recent:chunk=64", 100) == "sink_recent:n_sink=4,n_recent=96,chunk=64"
     EvalConfig(policies=["snapkv", "entropy:pool=5,topk_share=0.9"]).validate()
     assert split_policies("snapkv, entropy:pool=5,topk_share=0.9,h2o") == ["snapkv", "entropy:pool=5,topk_share=0.9", "h2o"]
+    assert split_policies("entropy:topk_share=1,pool=5+window:pool_max=0+uniform,snapkv") == [
+        "entropy:topk_share=1,pool=5+window:pool_max=0+uniform", "snapkv"]
 
 
 def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
