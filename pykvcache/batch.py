@@ -55,7 +55,7 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
                          f"n_ctx/n_seq_max = {n_ctx_seq}")
 
     ctx = llm._ctx.ctx
-    llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)  # every sequence (kv_cache_seq_rm(-1) is 0's)
     llm.n_tokens = 0  # llama-cpp-python's own record of sequence 0 no longer holds
     pol = getattr(llm, "kv_policy", None)
     if pol is not None and pol.retains:

@@ -36,20 +36,9 @@ def test_window_larger_than_the_context(model_path):
         Llama(model_path, n_ctx=512, verbose=False, kv_policy=Observe(window=4096))
 
 
-def test_several_sequences_are_refused(model_path, monkeypatch):
-    import llama_cpp.llama_cpp as lib
-
-    # llama-cpp-python has no n_seq_max argument: set it where its context params are built
-    orig = lib.llama_context_default_params
-
-    def two_seq():
-        p = orig()
-        p.n_seq_max = 2
-        return p
-
-    monkeypatch.setattr(lib, "llama_context_default_params", two_seq)
+def test_several_sequences_are_refused(model_path):
     with pytest.raises(PolicyError, match="one sequence per context"):
-        Llama(model_path, n_ctx=256, verbose=False, kv_policy=Observe())
+        Llama(model_path, n_ctx=256, n_seq_max=2, verbose=False, kv_policy=Observe())
 
 
 def test_missing_model_file(tmp_path):

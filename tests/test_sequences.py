@@ -51,6 +51,7 @@ def test_each_sequence_resolves_its_own_budget(model_path):
     prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
     llm.generate_batch(prompts, 4)
     _, lib = native()
+    assert llm.generate_batch(prompts, 4) == llm.generate_batch(prompts, 4)  # each call starts every sequence afresh
     for s, p in enumerate(prompts):
         assert lib.llama_kvp_seq_select(llm._native_ctx(), s) == 0
         mem = llm.kv_memory()

@@ -720,12 +720,6 @@ void llama_kvp_memory::clear_cur(bool data) {
 }
 
 bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
-    if (seq_id >= (llama_seq_id) n_seq() && n_seq() > 1) {
-        return false;
-    }
-    if (n_seq() == 1) {
-        return seq_rm_cur(p0, p1);
-    }
     bool res = true;
     for (uint32_t s = 0; s < n_seq(); ++s) {
         if (seq_id < 0 || (llama_seq_id) s == seq_id) {
@@ -737,13 +731,12 @@ bool llama_kvp_memory::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
 }
 
 bool llama_kvp_memory::seq_rm_cur(llama_pos p0, llama_pos p1) {
-    const llama_seq_id seq_id = -1; // the caches of the current sequence hold only its tokens
     bool res = true;
     for (size_t i = 0; i < layers.size(); ++i) {
         if (st) {
             llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
         }
-        res = layers[i].kv->seq_rm(seq_id, p0, p1) && res;
+        res = layers[i].kv->seq_rm(-1, p0, p1) && res; // the current sequence's caches hold only its tokens
         auto & bias = layers[i].bias;
         for (auto it = bias.lower_bound(std::max<llama_pos>(p0, 0)); it != bias.end() && (p1 < 0 || it->first < p1); ) {
             it = bias.erase(it);
@@ -781,12 +774,6 @@ void llama_kvp_memory::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, 
 }
 
 void llama_kvp_memory::seq_keep(llama_seq_id seq_id) {
-    if (n_seq() == 1) {
-        for (auto & L : layers) {
-            L.kv->seq_keep(seq_id);
-        }
-        return;
-    }
     for (uint32_t s = 0; s < n_seq(); ++s) {
         if ((llama_seq_id) s != seq_id) {
             llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
