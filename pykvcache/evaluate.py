@@ -91,7 +91,7 @@ class EvalConfig:
     def validate(self) -> None:
         """Raise EvalError naming the first invalid setting."""
         for p in self.policies:
-            if p.partition(":")[0] not in POLICIES:
+            if p.partition("+")[0].partition(":")[0] not in POLICIES:
                 raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)}, each with its keys, e.g. entropy:topk_share=0.9)")
             try:
                 parse_policy(policy_spec(p, 64))
@@ -150,7 +150,8 @@ def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Option
     """The spec of a policy at `budget` tokens per layer, with an optional prefill stage (None: the full cache)."""
     if name == "full":
         return None
-    name, _, keys = name.partition(":")  # a preset and its own keys: entropy:topk_share=0.9
+    name, plus, more = name.partition("+")  # more stages may follow: snapkv+window:pool_max=0.5
+    name, _, keys = name.partition(":")      # a preset and its own keys: entropy:topk_share=0.9
     keys = f",{keys}" if keys else ""
     if name == "none":
         spec = "none"
@@ -158,6 +159,7 @@ def policy_spec(name: str, budget: int, prefill: Optional[str] = None) -> Option
         spec = f"sink_recent:n_sink=4,n_recent={max(budget - 4, 1)}{keys}"
     else:
         spec = f"{name}:budget={budget}{keys}"
+    spec += plus + more
     return f"{spec}+{prefill}" if prefill else spec
 
 

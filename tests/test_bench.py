@@ -70,7 +70,8 @@ def test_kvbench_measures_the_physical_limit(model_path):
                   "h2o:budget=0.5,n_recent=8,chunk=32"):
         r = rows[label]
         assert r["limit_depth"] == 64
-        assert r["tg_limit_ratio"] == pytest.approx(r["tg_ts"] / lim["tg_ts"], rel=1e-3)
+        # from the unrounded samples: on a loaded machine t/s can be small enough for the printed means to round
+        assert r["tg_limit_ratio"] == pytest.approx(np.mean(r["tg_samples"]) / np.mean(lim["tg_samples"]), rel=1e-3)
     assert rows["h2o:budget=0.5,n_recent=8,chunk=32"]["n_obs_steps"] == 4  # every step observes
 
     md = kvbench(*args, model_path=model_path).stdout
@@ -211,8 +212,10 @@ def test_eval_cli_invalid_argument_is_a_clear_error(capsys):
 
 def test_eval_policies_take_their_own_keys():
     assert policy_spec("entropy:pool=5,topk_share=0.9", 100) == "entropy:budget=100,pool=5,topk_share=0.9"
+    assert policy_spec("snapkv+window:pool_max=0.5", 100) == "snapkv:budget=100+window:pool_max=0.5"
+    assert policy_spec("entropy:pool=5+uniform", 100, "sparse") == "entropy:budget=100,pool=5+uniform+sparse"
     assert policy_spec("sink_recent:chunk=64", 100) == "sink_recent:n_sink=4,n_recent=96,chunk=64"
-    EvalConfig(policies=["snapkv", "entropy:pool=5,topk_share=0.9"]).validate()
+    EvalConfig(policies=["snapkv", "entropy:pool=5,topk_share=0.9", "snapkv+window:pool_max=0.5"]).validate()
     assert split_policies("snapkv, entropy:pool=5,topk_share=0.9,h2o") == ["snapkv", "entropy:pool=5,topk_share=0.9", "h2o"]
     assert split_policies("entropy:topk_share=1,pool=5+window:pool_max=0+uniform,snapkv") == [
         "entropy:topk_share=1,pool=5+window:pool_max=0+uniform", "snapkv"]

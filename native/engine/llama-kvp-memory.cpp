@@ -415,20 +415,13 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
             c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
         }
         if (i1 > i0) {
-            stage_score->score(policy, cells);
+            stage_score->score(policy, i0, i1, n_topk, cells);
         }
     }
 
     // keep the n_topk best of the middle (ties: the newer token); the others leave the layer (the fate stage)
-    std::vector<uint32_t> mid;
-    for (uint32_t j = i0; j < i1; ++j) {
-        mid.push_back(j);
-    }
+    const std::vector<uint32_t> mid = llama_kvp_rank_middle(cells, i0, i1, n_topk);
     if (n_topk < mid.size()) {
-        std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
-            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
-        });
-        std::sort(mid.begin() + n_topk, mid.end());
         std::vector<llama_kvp_cell> leaving;
         for (size_t j = n_topk; j < mid.size(); ++j) {
             leaving.push_back(cells[mid[j]]);

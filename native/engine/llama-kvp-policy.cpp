@@ -52,7 +52,8 @@ static const llama_kvp_key_info k_keys[] = {
     { "max_layer",  false, offsetof(llama_kvp_policy, max_layer)  },
     { "topk_share", true,  offsetof(llama_kvp_policy, topk_share) },
     { "pool",       false, offsetof(llama_kvp_policy, pool)       },
-    { "pool_max",   false, offsetof(llama_kvp_policy, pool_max)   },
+    { "pool_max",   true,  offsetof(llama_kvp_policy, pool_max)   },
+    { "span_pool",  false, offsetof(llama_kvp_policy, span_pool)  },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
@@ -160,7 +161,8 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.max_layer  = 0;
     res.topk_share = 0.5f;
     res.pool       = 1;
-    res.pool_max   = 0;
+    res.pool_max   = 0.0f;
+    res.span_pool  = 0;
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;

@@ -79,7 +79,7 @@ static void llama_kvp_make_entropy(llama_kvp_policy & p) {
     p.every    = 16;
     p.decay    = 0.5f;
     p.pool     = 9;
-    p.pool_max = 1;
+    p.pool_max = 1.0f;
     p.guide    = 1;
 }
 

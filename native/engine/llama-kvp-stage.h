@@ -76,8 +76,11 @@ struct llama_kvp_score_stage : llama_kvp_stage {
     virtual bool protected_only() const { return false; }
 
     // turns the observed (accumulated, decayed) mass of each cell, in cells[].score (0: not observed), into the
-    // eviction scores; cells are in position order
-    virtual void score(const llama_kvp_policy & p, std::vector<llama_kvp_cell> & cells) const { (void) p; (void) cells; }
+    // eviction scores; cells are in position order, and of the middle ones, cells[i0, i1), the n_topk best-scored
+    // will be kept
+    virtual void score(const llama_kvp_policy & p, uint32_t i0, uint32_t i1, uint32_t n_topk, std::vector<llama_kvp_cell> & cells) const {
+        (void) p; (void) i0; (void) i1; (void) n_topk; (void) cells;
+    }
 };
 
 // per-layer state a stage keeps between ubatches (owned by the per-layer memory)
@@ -185,6 +188,10 @@ uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch
 
 // the keys of a score stage that observes: window, decay, n_sink, n_recent, topk_share
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);
+
+// the middle cells[i0, i1) in the order a layer keeps them: the n_topk best by score first (ties: the newer token),
+// then the others in position order (those leave)
+std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & cells, uint32_t i0, uint32_t i1, uint32_t n_topk);
 
 //
 // the host tier (stages/fate-host.cpp), also used by the freeze schedule

@@ -183,6 +183,63 @@ std::string llama_kvp_check_observed_score(const llama_kvp_policy & p) {
 // budget allocation (pure): proportional to weights, clamped, summing to the total exactly
 //
 
+std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & cells, uint32_t i0, uint32_t i1, uint32_t n_topk) {
+    std::vector<uint32_t> mid;
+    for (uint32_t j = i0; j < i1; ++j) {
+        mid.push_back(j);
+    }
+    if (n_topk < mid.size()) {
+        std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
+            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
+        });
+        std::sort(mid.begin() + n_topk, mid.end());
+    }
+    return mid;
+}
+
+int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float * mass, int32_t n, int32_t n_keep, int32_t * keep) {
+    if (!p || !mass || !keep || n < 0 || n_keep < 1) {
+        llama_kvp_set_error("select_tokens: need a policy, non-NULL arrays, n >= 0 and n_keep >= 1");
+        return -1;
+    }
+    const std::string err = llama_kvp_policy_check(*p);
+    if (!err.empty()) {
+        llama_kvp_set_error(err);
+        return -1;
+    }
+    const llama_kvp_score_stage * stage = llama_kvp_score_of(*p);
+    if (!stage || !llama_kvp_budget_of(*p)) {
+        llama_kvp_set_error("select_tokens: the policy has no score stage (it keeps every token)");
+        return -1;
+    }
+    for (int32_t j = 0; j < n; ++j) {
+        keep[j] = 1;
+    }
+    if (n <= n_keep) {
+        return 0;
+    }
+    uint32_t n_sink   = 0;
+    uint32_t n_recent = 0;
+    stage->protect(*p, (uint32_t) n_keep, n_sink, n_recent);
+    n_recent = std::max<uint32_t>(1, std::min<uint32_t>(n_recent, n_keep));
+    n_sink   = std::min<uint32_t>(n_sink, n_keep - n_recent);
+    std::vector<llama_kvp_cell> cells(n);
+    for (int32_t j = 0; j < n; ++j) {
+        cells[j] = { (llama_pos) j, (uint32_t) j, stage->observes() ? mass[j] : 0.0f };
+    }
+    const uint32_t i0     = n_sink;
+    const uint32_t i1     = n - n_recent;
+    const uint32_t n_topk = n_keep - n_sink - n_recent;
+    if (stage->observes() && i1 > i0 && n_topk > 0) {
+        stage->score(*p, i0, i1, n_topk, cells);
+    }
+    const std::vector<uint32_t> mid = llama_kvp_rank_middle(cells, i0, i1, n_topk);
+    for (size_t j = n_topk; j < mid.size(); ++j) {
+        keep[mid[j]] = 0;
+    }
+    return 0;
+}
+
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out) {
     if (!entropy || !out || n_layer <= 0) {

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 9
+#define LLAMA_KVP_API_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,7 +100,9 @@ struct llama_kvp_policy {
     int32_t max_layer;  // entropy: largest layer budget (0 = 2*budget)
     float   topk_share; // share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
     int32_t pool;       // width of the pooling of the scores over positions (odd, 1 = none)
-    int32_t pool_max;   // 1: max pooling (keeps the span around an attended token), 0: average
+    float   pool_max;   // share of the top-k kept as whole spans (max pooling around the best-attended tokens), the
+                        // rest by average pooling, in [0, 1]: 0 = average (SnapKV), 1 = max everywhere
+    int32_t span_pool;  // width of the max pooling that forms those spans (odd, 0 = pool)
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
@@ -300,6 +302,10 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
 // total exactly (pure function, used by the entropy policy); returns 0, or -1 if the bounds make it impossible
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out);
+
+// the tokens a layer keeps out of n (in position order, with the observed attention mass of each) when it keeps
+// n_keep of them: keep[j] = 1 or 0 (pure function: the score stage's sinks, recent tokens and top-k by its scores)
+int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float * mass, int32_t n, int32_t n_keep, int32_t * keep);
 
 // --- summarise fate (fate stage `summarise`) ---
 

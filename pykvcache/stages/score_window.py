@@ -12,8 +12,9 @@ from ..policies import Stage
 class WindowScore(Stage):
     """Attention of the last `window` queries, decayed by `decay` per observation and pooled over `pool` positions.
 
-    Pooling is an average, or a max with pool_max=1; keeps `n_sink` sinks, the top `topk_share` of the rest and the
-    most recent tokens (at least `n_recent`) (SnapKV).
+    A `pool_max` share of the top-k goes to whole spans around the best-attended tokens (max pooling over
+    `span_pool` positions, 0: `pool`), the rest by average pooling (0: SnapKV's average, 1: max everywhere);
+    keeps `n_sink` sinks, the top `topk_share` of the rest and the most recent tokens (at least `n_recent`).
     """
 
     name: ClassVar[str] = "window"
@@ -21,7 +22,8 @@ class WindowScore(Stage):
 
     window: Optional[int] = None
     pool: Optional[int] = None
-    pool_max: Optional[bool] = None
+    pool_max: Optional[float] = None
+    span_pool: Optional[int] = None
     decay: Optional[float] = None
     n_sink: Optional[int] = None
     n_recent: Optional[int] = None

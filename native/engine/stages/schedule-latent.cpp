@@ -199,7 +199,8 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
                 cells[j].score = std::max(cells[j].score, raw_mass[k]);
             }
         }
-        mem.stage_score->score(p, cells);
+        const size_t n_topk = std::min<size_t>(n - n_sink - n_recent, n_keep - n_sink - n_recent);
+        mem.stage_score->score(p, n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk, cells);
         std::vector<bool> keep(n, false);
         for (uint32_t j = 0; j < n_sink; ++j) {
             keep[j] = true;
@@ -207,14 +208,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         for (size_t j = n - n_recent; j < n; ++j) {
             keep[j] = true;
         }
-        std::vector<size_t> mid;
-        for (size_t j = n_sink; j < n - n_recent; ++j) {
-            mid.push_back(j);
-        }
-        const size_t n_topk = std::min<size_t>(mid.size(), n_keep - n_sink - n_recent);
-        std::partial_sort(mid.begin(), mid.begin() + n_topk, mid.end(), [&](size_t a, size_t b) {
-            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
-        });
+        const std::vector<uint32_t> mid = llama_kvp_rank_middle(cells, n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk);
         for (size_t j = 0; j < n_topk; ++j) {
             keep[mid[j]] = true;
         }

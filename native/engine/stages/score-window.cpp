@@ -1,23 +1,30 @@
 // score-window.cpp - score stage `window` (SnapKV): a token's score is the attention the last `window` queries pay
 // it (mass averaged over heads and window queries; with decay > 0 older observations still count), pooled over
-// `pool` neighbouring positions: the average (SnapKV), or with pool_max the maximum, which keeps a whole span (a
-// number, a name) around a token the window attends to. Kept: n_sink sinks, the top `topk_share` of the rest of the
-// layer budget by score, the most recent tokens for what is left (at least n_recent).
+// neighbouring positions. The average over `pool` positions (SnapKV) smooths the scores; the maximum over
+// `span_pool` positions (0: pool) keeps a whole span (a number, a name) around a token the window attends to, at the
+// price of the budget the span's weaker neighbours take. `pool_max` is the share of the top-k that goes to such
+// spans: the middle tokens whose max-pooled score is among the best pool_max*n_topk rank first (by that score), the
+// others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Kept: n_sink sinks, the
+// top `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least
+// n_recent).
 
 #include "llama-kvp-stage.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <functional>
 
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
-            "window,pool,pool_max,decay,n_sink,n_recent,topk_share",
-            "attention of the last `window` queries, pooled over `pool` positions (max with pool_max=1)") {}
+            "window,pool,pool_max,span_pool,decay,n_sink,n_recent,topk_share",
+            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as whole spans)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
         p.pool       = 5;
-        p.pool_max   = 0;
+        p.pool_max   = 0.0f;
+        p.span_pool  = 0;
         p.decay      = 0.0f;
         p.n_sink     = 0;
         p.n_recent   = 32;
@@ -34,8 +41,12 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "pool must be an odd width >= 1 (got %d)", p.pool);
             return buf;
         }
-        if (p.pool_max != 0 && p.pool_max != 1) {
-            snprintf(buf, sizeof(buf), "pool_max must be 0 or 1 (got %d)", p.pool_max);
+        if (p.span_pool < 0 || (p.span_pool > 0 && p.span_pool % 2 == 0)) {
+            snprintf(buf, sizeof(buf), "span_pool must be an odd width >= 1, or 0 for pool's (got %d)", p.span_pool);
+            return buf;
+        }
+        if (!(p.pool_max >= 0.0f && p.pool_max <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "pool_max must be in [0, 1] (got %g)", (double) p.pool_max);
             return buf;
         }
         return "";
@@ -43,25 +54,47 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
 
     bool observes() const override { return true; }
 
-    void score(const llama_kvp_policy & p, std::vector<llama_kvp_cell> & cells) const override {
-        const int32_t n = (int32_t) cells.size();
-        if (p.pool <= 1 || n == 0) {
+    void score(const llama_kvp_policy & p, uint32_t i0, uint32_t i1, uint32_t n_topk, std::vector<llama_kvp_cell> & cells) const override {
+        const int32_t n  = (int32_t) cells.size();
+        const int32_t ra = p.pool/2;                                  // radius of the average
+        const int32_t rm = (p.span_pool > 0 ? p.span_pool : p.pool)/2; // radius of the max (the spans)
+        if (n == 0 || (ra == 0 && rm == 0)) {
             return;
         }
-        const bool    use_max = p.pool_max != 0;
-        const int32_t r = p.pool/2;
-        std::vector<float> pooled(n);
+        std::vector<float> avg(n);
+        std::vector<float> mx(n);
         for (int32_t j = 0; j < n; ++j) {
-            const int32_t a = std::max<int32_t>(0, j - r);
-            const int32_t b = std::min<int32_t>(n - 1, j + r);
+            const int32_t a = std::max<int32_t>(0, j - ra);
+            const int32_t b = std::min<int32_t>(n - 1, j + ra);
             float s = 0.0f;
             for (int32_t k = a; k <= b; ++k) {
-                s = use_max ? std::max(s, cells[k].score) : s + cells[k].score;
+                s += cells[k].score;
             }
-            pooled[j] = use_max ? s : s/(b - a + 1);
+            avg[j] = s/(b - a + 1);
+            float m = 0.0f;
+            for (int32_t k = std::max<int32_t>(0, j - rm); k <= std::min<int32_t>(n - 1, j + rm); ++k) {
+                m = std::max(m, cells[k].score);
+            }
+            mx[j] = m;
+        }
+        // the spans: middle tokens whose max-pooled score reaches the n_span-th best of the middle; they rank above
+        // every other token
+        const uint32_t n_mid  = i1 > i0 ? i1 - i0 : 0;
+        const uint32_t n_span = std::min(n_mid, (uint32_t) (p.pool_max*n_topk + 0.5f));
+        float t = INFINITY;
+        if (p.pool_max >= 1.0f) {
+            t = 0.0f;
+        } else if (n_span > 0) {
+            std::vector<float> best(mx.begin() + i0, mx.begin() + i1);
+            std::nth_element(best.begin(), best.begin() + (n_span - 1), best.end(), std::greater<float>());
+            t = best[n_span - 1];
+        }
+        float top = 0.0f;
+        for (int32_t j = 0; j < n; ++j) {
+            top = std::max(top, avg[j]);
         }
         for (int32_t j = 0; j < n; ++j) {
-            cells[j].score = pooled[j];
+            cells[j].score = p.pool_max >= 1.0f ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
         }
     }
 };

@@ -1,0 +1,123 @@
+"""Which tokens a layer keeps for given attention masses (the pure selection behind every retention policy): sinks,
+recent tokens, and the top-k by the score stage's pooled scores, with whole spans around the best-attended tokens."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pykvcache import H2O, PolicyError, SinkRecent, SnapKV, parse_policy
+from pykvcache._native import last_error, native
+
+
+def select(policy, mass, n_keep):
+    ffi, lib = native()
+    m = np.ascontiguousarray(mass, dtype=np.float32)
+    keep = np.zeros(len(m), dtype=np.int32)
+    rc = lib.llama_kvp_select_tokens(policy.to_native(), ffi.cast("float *", ffi.from_buffer(m)), len(m), n_keep,
+                                     ffi.cast("int32_t *", ffi.from_buffer(keep)))
+    if rc != 0:
+        raise PolicyError(last_error())
+    return np.flatnonzero(keep)
+
+
+def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool):
+    """numpy twin of the window score stage's selection (float32 as the engine computes it)."""
+    mass = np.asarray(mass, dtype=np.float32)
+    n = len(mass)
+    if n <= n_keep:
+        return np.arange(n)
+    rest = n_keep - n_sink
+    n_recent = max(n_recent, rest - min(rest, math.floor(topk_share * rest + 0.5)))
+    n_recent = max(1, min(n_recent, n_keep))
+    n_sink = min(n_sink, n_keep - n_recent)
+    i0, i1, n_topk = n_sink, n - n_recent, n_keep - n_sink - n_recent
+    ra, rm = pool // 2, (span_pool or pool) // 2
+    avg = np.zeros(n, dtype=np.float32)
+    mx = np.zeros(n, dtype=np.float32)
+    for j in range(n):
+        a, b = max(0, j - ra), min(n - 1, j + ra)
+        s = np.float32(0)
+        for k in range(a, b + 1):
+            s = np.float32(s + mass[k])
+        avg[j] = np.float32(s / np.float32(b - a + 1))
+        mx[j] = max(np.float32(0), mass[max(0, j - rm):j + rm + 1].max())
+    if ra == 0 and rm == 0:
+        score = mass
+    elif pool_max >= 1:
+        score = mx
+    else:
+        n_span = min(i1 - i0, int(pool_max * n_topk + 0.5))
+        t = np.sort(mx[i0:i1])[::-1][n_span - 1] if n_span > 0 else np.inf
+        score = np.where((mx >= t) & (mx > 0), np.float32(avg.max()) + mx, avg).astype(np.float32)
+    mid = sorted(range(i0, i1), key=lambda j: (-score[j], -j))[:n_topk]
+    return np.array(sorted(list(range(n_sink)) + mid + list(range(i1, n))))
+
+
+def spiky_mass(n, spikes, base=1 / 1024):
+    m = np.full(n, base, dtype=np.float32)
+    for pos, value in spikes.items():
+        m[pos] = value
+    return m
+
+
+def test_max_pooling_keeps_the_span_around_an_attended_token():
+    # one token attended strongly, one weakly: with max pooling over 9 the strong one's span of 9 is kept whole
+    mass = spiky_mass(400, {100: 0.5, 300: 0.05})
+    kept = select(parse_policy("snapkv:pool=9+window:pool_max=1,n_recent=1"), mass, 16)
+    assert set(range(96, 105)) <= set(kept)
+    assert len(set(range(296, 305)) & set(kept)) == 6  # the rest of the 15 chosen: the weak span's newest
+
+
+def test_mixed_pooling_gives_spans_to_the_best_and_averages_the_rest():
+    # three attended tokens; a span share of 0.5 of 24 top-k tokens covers the strongest one's 9 (and the next's),
+    # the rest of the budget goes by the average, which favours a dense region over a lone weak spike
+    mass = spiky_mass(600, {100: 0.6, 250: 0.3, 450: 0.02})
+    mass[500:520] = 0.01  # a dense region of moderate attention
+    pol = parse_policy("snapkv:pool=9+window:pool_max=0.5,n_recent=1")
+    kept = set(select(pol, mass, 25))
+    assert set(range(96, 105)) <= kept and set(range(246, 255)) <= kept
+    assert 450 not in kept
+    assert len(kept & set(range(500, 520))) >= 5
+    # the max everywhere spends the budget on whole spans of the three spikes instead
+    kept_max = set(select(parse_policy("snapkv:pool=9+window:pool_max=1,n_recent=1"), mass, 25))
+    assert 450 in kept_max
+
+
+@pytest.mark.parametrize("pool,pool_max,span_pool,topk_share,n_sink,n_recent", [
+    (1, 0.0, 0, 1.0, 0, 32), (5, 0.0, 0, 1.0, 0, 32), (9, 1.0, 0, 0.5, 4, 16), (9, 0.25, 0, 1.0, 4, 16),
+    (5, 0.5, 9, 0.8, 2, 8), (7, 0.75, 3, 1.0, 0, 1), (1, 0.5, 9, 1.0, 4, 16), (5, 1.0, 9, 1.0, 0, 32),
+])
+def test_selection_matches_numpy(pool, pool_max, span_pool, topk_share, n_sink, n_recent):
+    rng = np.random.default_rng(pool * 100 + int(pool_max * 10) + span_pool)
+    spec = (f"snapkv:pool={pool}+window:pool_max={pool_max},span_pool={span_pool},topk_share={topk_share},"
+            f"n_sink={n_sink},n_recent={n_recent}")
+    pol = parse_policy(spec)
+    for n, n_keep in ((300, 40), (1000, 100), (64, 64), (50, 70), (257, 33)):
+        # masses on a grid of 1/1024 so that sums are exact and both sides order ties the same way
+        mass = (rng.integers(0, 64, n) * (rng.random(n) < 0.3)).astype(np.float32) / 1024
+        got = select(pol, mass, n_keep)
+        want = select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool)
+        assert got.tolist() == want.tolist(), (spec, n, n_keep)
+        assert len(got) == min(n, n_keep)
+
+
+def test_baselines_select_what_they_promise():
+    mass = spiky_mass(200, {50: 0.5})
+    kept = select(SinkRecent(n_sink=4, n_recent=20), mass, 24)
+    assert kept.tolist() == list(range(4)) + list(range(180, 200))
+    kept = select(H2O(budget=40), mass, 40)  # h2o: top-k by accumulated mass as it is, and the last 32
+    assert 50 in kept and set(range(168, 200)) <= set(kept)
+
+
+def test_bad_selection_input():
+    with pytest.raises(PolicyError, match="n_keep >= 1"):
+        select(SnapKV(budget=0.1), np.zeros(10), 0)
+    with pytest.raises(PolicyError, match="keeps every token"):
+        select(parse_policy("observe"), np.zeros(10), 5)
+    with pytest.raises(PolicyError, match=r"pool_max must be in \[0, 1\]"):
+        parse_policy("entropy+window:pool_max=2")
+    with pytest.raises(PolicyError, match="span_pool must be an odd width"):
+        parse_policy("snapkv+window:span_pool=4")
