@@ -61,30 +61,35 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         if (n == 0 || (ra == 0 && rm == 0)) {
             return;
         }
-        std::vector<float> avg(n);
-        std::vector<float> mx(n);
+        // each pooling only where it is used (this runs at every eviction of every layer)
+        const bool use_avg = p.pool_max < 1.0f;
+        const bool use_max = p.pool_max > 0.0f;
+        std::vector<float> avg(n, 0.0f);
+        std::vector<float> mx(n, 0.0f);
         for (int32_t j = 0; j < n; ++j) {
-            const int32_t a = std::max<int32_t>(0, j - ra);
-            const int32_t b = std::min<int32_t>(n - 1, j + ra);
-            float s = 0.0f;
-            for (int32_t k = a; k <= b; ++k) {
-                s += cells[k].score;
+            if (use_avg) {
+                const int32_t a = std::max<int32_t>(0, j - ra);
+                const int32_t b = std::min<int32_t>(n - 1, j + ra);
+                float s = 0.0f;
+                for (int32_t k = a; k <= b; ++k) {
+                    s += cells[k].score;
+                }
+                avg[j] = s/(b - a + 1);
             }
-            avg[j] = s/(b - a + 1);
-            float m = 0.0f;
-            for (int32_t k = std::max<int32_t>(0, j - rm); k <= std::min<int32_t>(n - 1, j + rm); ++k) {
-                m = std::max(m, cells[k].score);
+            if (use_max) {
+                float m = 0.0f;
+                for (int32_t k = std::max<int32_t>(0, j - rm); k <= std::min<int32_t>(n - 1, j + rm); ++k) {
+                    m = std::max(m, cells[k].score);
+                }
+                mx[j] = m;
             }
-            mx[j] = m;
         }
         // the spans: middle tokens whose max-pooled score reaches the n_span-th best of the middle; they rank above
         // every other token
         const uint32_t n_mid  = i1 > i0 ? i1 - i0 : 0;
         const uint32_t n_span = std::min(n_mid, (uint32_t) (p.pool_max*n_topk + 0.5f));
         float t = INFINITY;
-        if (p.pool_max >= 1.0f) {
-            t = 0.0f;
-        } else if (n_span > 0) {
+        if (use_max && use_avg && n_span > 0) {
             std::vector<float> best(mx.begin() + i0, mx.begin() + i1);
             std::nth_element(best.begin(), best.begin() + (n_span - 1), best.end(), std::greater<float>());
             t = best[n_span - 1];
@@ -94,7 +99,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             top = std::max(top, avg[j]);
         }
         for (int32_t j = 0; j < n; ++j) {
-            cells[j].score = p.pool_max >= 1.0f ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
+            cells[j].score = !use_avg ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
         }
     }
 };
