@@ -399,8 +399,7 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
         n_keep = k;
     }
 
-    n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
-    n_sink   = std::min(n_sink, n_keep - n_recent);
+    llama_kvp_clamp_protected(n_keep, n_sink, n_recent);
 
     // scores of the middle tokens: the score stage's view of the accumulated observed mass (0 for a token not
     // observed yet)

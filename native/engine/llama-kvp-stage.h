@@ -189,6 +189,9 @@ uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch
 // the keys of a score stage that observes: window, decay, n_sink, n_recent, topk_share
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p);
 
+// the protected tokens that fit when a layer keeps n_keep: the recent ones first (at least the newest), then sinks
+void llama_kvp_clamp_protected(uint32_t n_keep, uint32_t & n_sink, uint32_t & n_recent);
+
 // the middle cells[i0, i1) in the order a layer keeps them: the n_topk best by score first (ties: the newer token),
 // then the others in position order (those leave)
 std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & cells, uint32_t i0, uint32_t i1, uint32_t n_topk);

@@ -180,8 +180,13 @@ std::string llama_kvp_check_observed_score(const llama_kvp_policy & p) {
 }
 
 //
-// budget allocation (pure): proportional to weights, clamped, summing to the total exactly
+// selection (pure): which tokens a full layer keeps
 //
+
+void llama_kvp_clamp_protected(uint32_t n_keep, uint32_t & n_sink, uint32_t & n_recent) {
+    n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
+    n_sink   = std::min(n_sink, n_keep - n_recent);
+}
 
 std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & cells, uint32_t i0, uint32_t i1, uint32_t n_topk) {
     std::vector<uint32_t> mid;
@@ -221,8 +226,7 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float *
     uint32_t n_sink   = 0;
     uint32_t n_recent = 0;
     stage->protect(*p, (uint32_t) n_keep, n_sink, n_recent);
-    n_recent = std::max<uint32_t>(1, std::min<uint32_t>(n_recent, n_keep));
-    n_sink   = std::min<uint32_t>(n_sink, n_keep - n_recent);
+    llama_kvp_clamp_protected((uint32_t) n_keep, n_sink, n_recent);
     std::vector<llama_kvp_cell> cells(n);
     for (int32_t j = 0; j < n; ++j) {
         cells[j] = { (llama_pos) j, (uint32_t) j, stage->observes() ? mass[j] : 0.0f };
@@ -239,6 +243,10 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float *
     }
     return 0;
 }
+
+//
+// budget allocation (pure): proportional to weights, clamped, summing to the total exactly
+//
 
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out) {

@@ -190,8 +190,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         uint32_t n_recent = 0;
         mem.stage_score->protect(p, L.budget, n_sink, n_recent);
         const uint32_t n_keep = std::min<uint32_t>((uint32_t) n, std::min<uint32_t>(L.budget, size > 1 ? size - 1 : 0));
-        n_recent = std::max<uint32_t>(1, std::min(n_recent, n_keep));
-        n_sink   = std::min(n_sink, n_keep - n_recent);
+        llama_kvp_clamp_protected(n_keep, n_sink, n_recent);
         // a value follows its key: a question attends to "the code for Quito is", not to the digits after it, so each
         // token inherits the best mass of the LLAMA_KVP_LATENT_REACH tokens before it
         for (size_t j = n; j-- > 0;) {
@@ -199,7 +198,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
                 cells[j].score = std::max(cells[j].score, raw_mass[k]);
             }
         }
-        const size_t n_topk = std::min<size_t>(n - n_sink - n_recent, n_keep - n_sink - n_recent);
+        const size_t n_topk = n_keep - n_sink - n_recent;
         mem.stage_score->score(p, n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk, cells);
         std::vector<bool> keep(n, false);
         for (uint32_t j = 0; j < n_sink; ++j) {

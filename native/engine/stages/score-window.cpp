@@ -95,8 +95,8 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             t = best[n_span - 1];
         }
         float top = 0.0f;
-        for (int32_t j = 0; j < n; ++j) {
-            top = std::max(top, avg[j]);
+        if (t < INFINITY) {
+            top = *std::max_element(avg.begin(), avg.end());
         }
         for (int32_t j = 0; j < n; ++j) {
             cells[j].score = !use_avg ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
