@@ -109,7 +109,8 @@ class Pyramid(RetentionPolicy):
 class EntropyLayerBudget(RetentionPolicy):
     """Entropy-guided layer budgets (entropy + window + every + drop + dense): the total budget is split across
     layers in proportion to the mean per-head attention entropy observed on the prompt, each layer within
-    [min_layer, max_layer] (0: budget/4 and 2*budget). Each layer keeps one token set shared by its heads: `n_sink`
+    [min_layer, max_layer] (0: budget/4 and 2*budget); with `split_share` < 1 only that share of the layers, from the
+    first, follows entropy and the others keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink`
     sinks, the top `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by
     `decay` per observation, max-pooled over `pool` neighbouring positions so that a whole span such as a number is
     kept), and the most recent tokens (at least `n_recent`). With `guide`, prompt chunks are scored by the prompt's
@@ -121,6 +122,7 @@ class EntropyLayerBudget(RetentionPolicy):
     budget: float = 0.25
     min_layer: int = 0
     max_layer: int = 0
+    split_share: float = 1.0
     n_sink: int = 4
     n_recent: int = 16
     topk_share: float = 0.5

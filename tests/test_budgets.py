@@ -66,6 +66,7 @@ def test_impossible_bounds_are_reported():
 def test_policy_specs_round_trip():
     for pol in (SinkRecent(n_sink=2, n_recent=100), SnapKV(budget=300, window=16, pool=3), H2O(budget=0.1),
                 Pyramid(budget=200, slope=0.3), EntropyLayerBudget(budget=0.25, min_layer=32, max_layer=512),
+                EntropyLayerBudget(budget=0.1, split_share=0.5),
                 SnapKV(budget=64, guide=False), EntropyLayerBudget(budget=100, pool=1, guide=False)):
         assert parse_policy(pol.spec()) == pol
     assert parse_policy("entropy:budget=512").budget == 512
@@ -84,6 +85,8 @@ def test_policy_specs_round_trip():
     (dict(budget=512, chunk=0), "chunk must be >= 1"),
     (dict(budget=512, guide=2), "guide must be True or False"),
     (dict(budget=512, pool=4), "pool must be an odd width"),
+    (dict(budget=512, split_share=0), r"split_share must be in \(0, 1\]"),
+    (dict(budget=512, split_share=1.5), r"split_share must be in \(0, 1\]"),
 ])
 def test_invalid_entropy_parameters(kwargs, reason):
     with pytest.raises(ValueError, match=reason):

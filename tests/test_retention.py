@@ -98,6 +98,24 @@ def test_guided_prefill_leaves_no_trace_without_eviction(model_path, essays):
         assert greedy(llm, tokens, 12) == ref, guide
 
 
+def test_entropy_split_over_the_early_layers_leaves_the_late_ones_at_the_mean(model_path, essays):
+    text = "\n\n".join(essays[:10])
+    tokens = None
+    budgets = {}
+    for share in (1.0, 0.5):
+        llm = Llama(model_path, n_ctx=2048, verbose=False, kv_policy=EntropyLayerBudget(budget=64, chunk=64, split_share=share))
+        tokens = tokens or llm.tokenize(text.encode())[:800]
+        llm.eval(tokens)
+        budgets[share] = llm.kv_memory().budgets
+        assert sum(budgets[share]) == 64 * N_LAYER
+        for b in llm.kv_memory().layers:
+            assert b.n_used <= b.budget + 64
+    half = N_LAYER // 2
+    assert budgets[0.5][half:] == [64] * (N_LAYER - half)  # the late layers keep the mean
+    assert len(set(budgets[0.5][:half])) > 1  # the early ones still follow entropy
+    assert min(budgets[1.0][half:]) < 64  # a split over every layer gives some late layer less than the mean
+
+
 def test_chunked_prefill_of_a_prompt_ten_times_the_budget(model_path, essays):
     text = "\n\n".join(essays[:10])
     pol = EntropyLayerBudget(budget=64, chunk=32)

@@ -50,6 +50,7 @@ static const llama_kvp_key_info k_keys[] = {
     { "n_recent",   false, offsetof(llama_kvp_policy, n_recent)   },
     { "min_layer",  false, offsetof(llama_kvp_policy, min_layer)  },
     { "max_layer",  false, offsetof(llama_kvp_policy, max_layer)  },
+    { "split_share", true, offsetof(llama_kvp_policy, split_share) },
     { "topk_share", true,  offsetof(llama_kvp_policy, topk_share) },
     { "pool",       false, offsetof(llama_kvp_policy, pool)       },
     { "pool_max",   true,  offsetof(llama_kvp_policy, pool_max)   },
@@ -159,6 +160,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.n_recent   = 0;
     res.min_layer  = 0;
     res.max_layer  = 0;
+    res.split_share = 1.0f;
     res.topk_share = 0.5f;
     res.pool       = 1;
     res.pool_max   = 0.0f;

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 10
+#define LLAMA_KVP_API_VERSION 11
 
 #ifdef __cplusplus
 extern "C" {
@@ -98,6 +98,8 @@ struct llama_kvp_policy {
     int32_t n_recent;   // most recent tokens always kept
     int32_t min_layer;  // entropy: smallest layer budget (0 = budget/4)
     int32_t max_layer;  // entropy: largest layer budget (0 = 2*budget)
+    float   split_share; // entropy: share of the layers, from the first, whose budgets follow entropy (the others keep
+                         // the mean budget), in (0, 1]
     float   topk_share; // share of the layer budget (after sinks) chosen by attention mass, in [0, 1]
     int32_t pool;       // width of the pooling of the scores over positions (odd, 1 = none)
     float   pool_max;   // share of the top-k kept as whole spans (max pooling around the best-attended tokens), the

@@ -9,13 +9,15 @@
 #include <cstdio>
 
 struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
-    llama_kvp_budget_entropy() : llama_kvp_budget_stage(LLAMA_KVP_BUDGET_ENTROPY, LLAMA_KVP_SLOT_BUDGET, "entropy", "budget,min_layer,max_layer",
-            "layer budgets in proportion to the prompt's mean head entropy, within [min_layer, max_layer] (0: budget/4, 2*budget)") {}
+    llama_kvp_budget_entropy() : llama_kvp_budget_stage(LLAMA_KVP_BUDGET_ENTROPY, LLAMA_KVP_SLOT_BUDGET, "entropy", "budget,min_layer,max_layer,split_share",
+            "layer budgets in proportion to the prompt's mean head entropy, within [min_layer, max_layer] (0: budget/4, 2*budget), "
+            "over the first split_share of the layers (the others keep the mean)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.budget    = 0.25f;
         p.min_layer = 0;
         p.max_layer = 0;
+        p.split_share = 1.0f;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
@@ -30,6 +32,10 @@ struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
         }
         if (p.max_layer < 0) {
             snprintf(buf, sizeof(buf), "max_layer must be >= 0 (got %d; 0 = 2*budget)", p.max_layer);
+            return buf;
+        }
+        if (!(p.split_share > 0.0f && p.split_share <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "split_share must be in (0, 1] (got %g)", (double) p.split_share);
             return buf;
         }
         if (p.min_layer > 0 && p.max_layer > 0 && p.min_layer > p.max_layer) {
@@ -53,8 +59,9 @@ struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
                       uint32_t lo, uint32_t hi, std::vector<uint32_t> & out) const override {
         const int32_t lo_l = p.min_layer > 0 ? p.min_layer : std::max<int32_t>(lo, mean/4);
         const int32_t hi_l = p.max_layer > 0 ? p.max_layer : (int32_t) std::min<uint32_t>(2*mean, hi);
-        std::vector<int32_t> res(n_layer);
-        if (llama_kvp_allocate_budgets(entropy, n_layer, (int64_t) mean*n_layer, std::min<int32_t>(lo_l, mean),
+        const int32_t n_split = std::max<int32_t>(1, (int32_t) (p.split_share*n_layer + 0.5f));
+        std::vector<int32_t> res(n_layer, (int32_t) mean);
+        if (llama_kvp_allocate_budgets(entropy, n_split, (int64_t) mean*n_split, std::min<int32_t>(lo_l, mean),
                     std::max<int32_t>(hi_l, mean), res.data()) != 0) {
             return false;
         }
