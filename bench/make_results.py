@@ -103,6 +103,11 @@ def limits_line(bench: Dict[str, Any]) -> str:
         "; ".join(refs) if refs else "not measured") + "."
 
 
+def note_of(res: Dict[str, Any]) -> str:
+    """A results file's `note` (what of it was measured when, or with what) as a paragraph ('' when it has none)."""
+    return f"\nNote: {res['note']}.\n" if res.get("note") else ""
+
+
 def bench_json(path: Path, module: str):
     """A bench script's JSON results and the markdown function of that script (bench/<module>.py)."""
     import importlib
@@ -139,6 +144,7 @@ def summarise_section(path: Path) -> str:
     if not path.is_file():
         return ""
     res, summarise_markdown = bench_json(path, "summarise")
+    note = note_of(res)
     return f"""
 ## Summarise (fate stage `summarise`) against plain eviction
 
@@ -150,7 +156,7 @@ per layer (the same real tokens as summarise, the FAIR comparison). x drop: agai
 budget. fit err: relative error of the bins' attention outputs on the window queries they were fitted to. ms/bin:
 reading, fitting and writing one layer's bin. ms/token: greedy decoding after the streamed text. Needles
 ({', '.join(str(n) for n in res['needle_lengths'])}-token haystacks, 5 depths) at the needle budget only.
-
+{note}
 {summarise_markdown(res)}
 """
 
@@ -174,7 +180,7 @@ Second-turn needles and the long generation, a later run:
 ```
 
 Raw: [results/{part.name}](results/{part.name}). {res2['cpu']}, {res2['threads']} threads.
-
+{note_of(res2)}
 {freeze_markdown({k: v for k, v in res2.items() if k in ("turn", "long")})}"""
     return f"""
 ## Host tier: soft freeze and latent re-ranking
@@ -203,6 +209,7 @@ def corpus_section(path: Path) -> str:
 
     res = json.loads(path.read_text())
     cfg = res["config"]
+    note = note_of(res)
     return f"""
 ## Fidelity on a second corpus (technical documentation, varied needles)
 
@@ -215,7 +222,7 @@ texts up to {cfg['kl_tokens']} tokens, the rest the needle haystack. Needles ({c
 whose values are 4-7 digit numbers, first and last names or two-word phrases, at depths
 {', '.join(f'{d:g}' for d in cfg['depths'])} of {', '.join(str(n) for n in cfg['needle_lengths'])}-token prompts;
 hit if the greedy answer contains the value.
-
+{note}
 {markdown(res)}
 """
 

@@ -107,14 +107,14 @@ class Pyramid(RetentionPolicy):
 
 @dataclass(frozen=True)
 class EntropyLayerBudget(RetentionPolicy):
-    """Entropy-guided layer budgets (entropy + window + every + drop + dense): the total budget is split across
-    layers in proportion to the mean per-head attention entropy observed on the prompt, each layer within
-    [min_layer, max_layer] (0: budget/4 and 2*budget); with `split_share` < 1 only that share of the layers, from the
-    first, follows entropy and the others keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink`
-    sinks, the top `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by
-    `decay` per observation, max-pooled over `pool` neighbouring positions so that a whole span such as a number is
-    kept), and the most recent tokens (at least `n_recent`). With `guide`, prompt chunks are scored by the prompt's
-    last `window` tokens (see `SnapKV`)."""
+    """Entropy-guided layer budgets (entropy + window + every + drop + dense): the total budget of the first
+    `split_share` of the layers is split across them in proportion to the mean per-head attention entropy observed on
+    the prompt, each within [min_layer, max_layer] (0: budget/4 and 2*budget); the other layers, where retrieval
+    reads, keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink` sinks, the top
+    `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by `decay` per
+    observation), and the most recent tokens (at least `n_recent`). A `pool_max` share of the top-k goes to whole
+    spans of `span_pool` tokens around the best-attended tokens (a number, a name), the rest by the average over
+    `pool` positions. With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -122,12 +122,14 @@ class EntropyLayerBudget(RetentionPolicy):
     budget: float = 0.25
     min_layer: int = 0
     max_layer: int = 0
-    split_share: float = 1.0
+    split_share: float = 0.5
     n_sink: int = 4
     n_recent: int = 16
-    topk_share: float = 0.5
+    topk_share: float = 1.0
     window: int = 32
-    pool: int = 9
+    pool: int = 5
+    pool_max: float = 0.25
+    span_pool: int = 9
     every: int = 16
     decay: float = 0.5
     chunk: int = 128

@@ -68,7 +68,7 @@ def test_naming_a_presets_own_stages_changes_nothing(spec, preset):
 def test_python_composes_like_the_grammar():
     pol = SnapKV(budget=0.1) + EntropyBudget(min_layer=64)
     assert pol == parse_policy("snapkv:budget=0.1+entropy:min_layer=64")
-    assert pol.spec() == "snapkv:window=32,every=16,budget=0.1,pool=5,chunk=128,guide=1+entropy:min_layer=64,max_layer=0"
+    assert pol.spec() == "snapkv:window=32,every=16,budget=0.1,pool=5,chunk=128,guide=1+entropy:min_layer=64,max_layer=0,split_share=0.5"
     assert pol.describe()["stages"] == {"budget": "entropy", "score": "window", "schedule": "every", "fate": "drop",
                                         "prefill": "dense"}
     assert (pol + AccumulatedScore()).describe()["stages"]["score"] == "accumulated"

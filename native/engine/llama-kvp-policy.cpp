@@ -160,7 +160,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.n_recent   = 0;
     res.min_layer  = 0;
     res.max_layer  = 0;
-    res.split_share = 1.0f;
+    res.split_share = 0.5f;
     res.topk_share = 0.5f;
     res.pool       = 1;
     res.pool_max   = 0.0f;

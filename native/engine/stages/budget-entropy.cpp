@@ -17,7 +17,7 @@ struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
         p.budget    = 0.25f;
         p.min_layer = 0;
         p.max_layer = 0;
-        p.split_share = 1.0f;
+        p.split_share = 0.5f;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
