@@ -207,9 +207,7 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float *
         llama_kvp_set_error("select_tokens: need a policy, non-NULL arrays, n >= 0 and n_keep >= 1");
         return -1;
     }
-    const std::string err = llama_kvp_policy_check(*p);
-    if (!err.empty()) {
-        llama_kvp_set_error(err);
+    if (llama_kvp_policy_validate(p) != 0) {
         return -1;
     }
     const llama_kvp_score_stage * stage = llama_kvp_score_of(*p);
