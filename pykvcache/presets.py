@@ -112,9 +112,10 @@ class EntropyLayerBudget(RetentionPolicy):
     the prompt, each within [min_layer, max_layer] (0: budget/4 and 2*budget); the other layers, where retrieval
     reads, keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink` sinks, the top
     `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by `decay` per
-    observation), and the most recent tokens (at least `n_recent`). A `pool_max` share of the top-k goes to whole
-    spans of `span_pool` tokens around the best-attended tokens (a number, a name), the rest by the average over
-    `pool` positions. With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
+    observation), and the most recent tokens (at least `n_recent`). In the last `span_share` of the layers a
+    `pool_max` share of the top-k goes to whole spans of `span_pool` tokens around the best-attended tokens (a
+    number, a name); the rest of the top-k, and all of it in the other layers, by the average over `pool`
+    positions. With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -130,6 +131,8 @@ class EntropyLayerBudget(RetentionPolicy):
     pool: int = 5
     pool_max: float = 0.25
     span_pool: int = 9
+    span_share: float = 1.0
+    fill: int = 0
     every: int = 16
     decay: float = 0.5
     chunk: int = 128

@@ -12,18 +12,19 @@ from pykvcache import H2O, PolicyError, SinkRecent, SnapKV, parse_policy
 from pykvcache._native import last_error, native
 
 
-def select(policy, mass, n_keep):
+def select(policy, mass, n_keep, il=0, n_layer=1):
+    """Cells kept by layer il of n_layer (the only layer by default)."""
     ffi, lib = native()
     m = np.ascontiguousarray(mass, dtype=np.float32)
     keep = np.zeros(len(m), dtype=np.int32)
-    rc = lib.llama_kvp_select_tokens(policy.to_native(), ffi.cast("float *", ffi.from_buffer(m)), len(m), n_keep,
-                                     ffi.cast("int32_t *", ffi.from_buffer(keep)))
+    rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), len(m),
+                                     n_keep, ffi.cast("int32_t *", ffi.from_buffer(keep)))
     if rc != 0:
         raise PolicyError(last_error())
     return np.flatnonzero(keep)
 
 
-def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool):
+def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool, fill=0):
     """numpy twin of the window score stage's selection (float32 as the engine computes it)."""
     mass = np.asarray(mass, dtype=np.float32)
     n = len(mass)
@@ -52,8 +53,20 @@ def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max,
         n_span = min(i1 - i0, int(pool_max * n_topk + 0.5))
         t = np.sort(mx[i0:i1])[::-1][n_span - 1] if n_span > 0 else np.inf
         score = np.where((mx >= t) & (mx > 0), np.float32(avg.max()) + mx, avg).astype(np.float32)
+    if fill > 0:
+        score = np.maximum(score, close_gaps(score, fill))
     mid = sorted(range(i0, i1), key=lambda j: (-score[j], -j))[:n_topk]
     return np.array(sorted(list(range(n_sink)) + mid + list(range(i1, n))))
+
+
+def close_gaps(score, fill):
+    """Each token's highest score h such that a run of at most `fill` tokens holding it has h or more on both sides."""
+    n = len(score)
+    out = np.zeros(n, dtype=np.float32)
+    for a in range(n):
+        for b in range(a + 2, min(n, a + fill + 2)):  # sides a and b, the hole between them
+            out[a + 1:b] = np.maximum(out[a + 1:b], min(score[a], score[b]))
+    return out
 
 
 def spiky_mass(n, spikes, base=1 / 1024):
@@ -86,22 +99,55 @@ def test_mixed_pooling_gives_spans_to_the_best_and_averages_the_rest():
     assert 450 in kept_max
 
 
-@pytest.mark.parametrize("pool,pool_max,span_pool,topk_share,n_sink,n_recent", [
-    (1, 0.0, 0, 1.0, 0, 32), (5, 0.0, 0, 1.0, 0, 32), (9, 1.0, 0, 0.5, 4, 16), (9, 0.25, 0, 1.0, 4, 16),
-    (5, 0.5, 9, 0.8, 2, 8), (7, 0.75, 3, 1.0, 0, 1), (1, 0.5, 9, 1.0, 4, 16), (5, 1.0, 9, 1.0, 0, 32),
+@pytest.mark.parametrize("pool,pool_max,span_pool,topk_share,n_sink,n_recent,fill", [
+    (1, 0.0, 0, 1.0, 0, 32, 0), (5, 0.0, 0, 1.0, 0, 32, 0), (9, 1.0, 0, 0.5, 4, 16, 0), (9, 0.25, 0, 1.0, 4, 16, 0),
+    (5, 0.5, 9, 0.8, 2, 8, 0), (7, 0.75, 3, 1.0, 0, 1, 0), (1, 0.5, 9, 1.0, 4, 16, 0), (5, 1.0, 9, 1.0, 0, 32, 0),
+    (1, 0.0, 0, 1.0, 0, 32, 3), (5, 0.25, 9, 1.0, 4, 16, 6), (9, 1.0, 0, 0.5, 4, 16, 1),
 ])
-def test_selection_matches_numpy(pool, pool_max, span_pool, topk_share, n_sink, n_recent):
-    rng = np.random.default_rng(pool * 100 + int(pool_max * 10) + span_pool)
+def test_selection_matches_numpy(pool, pool_max, span_pool, topk_share, n_sink, n_recent, fill):
+    rng = np.random.default_rng(pool * 100 + int(pool_max * 10) + span_pool + fill)
     spec = (f"snapkv:pool={pool}+window:pool_max={pool_max},span_pool={span_pool},topk_share={topk_share},"
-            f"n_sink={n_sink},n_recent={n_recent}")
+            f"n_sink={n_sink},n_recent={n_recent},fill={fill}")
     pol = parse_policy(spec)
     for n, n_keep in ((300, 40), (1000, 100), (64, 64), (50, 70), (257, 33)):
         # masses on a grid of 1/1024 so that sums are exact and both sides order ties the same way
         mass = (rng.integers(0, 64, n) * (rng.random(n) < 0.3)).astype(np.float32) / 1024
         got = select(pol, mass, n_keep)
-        want = select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool)
+        want = select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool, fill)
         assert got.tolist() == want.tolist(), (spec, n, n_keep)
         assert len(got) == min(n, n_keep)
+
+
+def test_spans_only_in_the_last_span_share_of_the_layers():
+    # span_share=0.5 of 30 layers: layers 15-29 keep the strong token's span whole, layers 0-14 choose by the average
+    # (the same as pool_max=0 there), so a dense region wins over the span's weak neighbours in the early layers
+    mass = spiky_mass(600, {100: 0.6, 250: 0.3})
+    mass[500:520] = 0.01
+    pol = parse_policy("snapkv:pool=5+window:pool_max=0.5,span_pool=9,span_share=0.5,n_recent=1")
+    avg = parse_policy("snapkv:pool=5+window:pool_max=0,n_recent=1")
+    spans = parse_policy("snapkv:pool=5+window:pool_max=0.5,span_pool=9,n_recent=1")
+    for il in (0, 14):
+        assert select(pol, mass, 25, il, 30).tolist() == select(avg, mass, 25).tolist()
+    for il in (15, 29):
+        assert select(pol, mass, 25, il, 30).tolist() == select(spans, mass, 25).tolist()
+    assert set(range(96, 105)) <= set(select(pol, mass, 25, 20, 30))
+    assert not set(range(96, 105)) <= set(select(pol, mass, 25, 10, 30))
+    # one layer of one: its spans are never switched off, whatever the share
+    assert select(pol, mass, 25, 0, 1).tolist() == select(spans, mass, 25).tolist()
+
+
+def test_fill_keeps_the_middle_of_a_number_whose_ends_are_attended():
+    # a 7-digit number: its first digit and the word after it are attended, the middle five digits are not; SnapKV's
+    # top-k (no pooling) keeps the ends and loses the middle to lone weak tokens, fill=5 keeps the number whole and
+    # gives up the weakest lone tokens instead, fill=4 is too short for the hole and changes nothing
+    mass = spiky_mass(300, {100: 0.3, 106: 0.2, 30: 0.01, 60: 0.011, 150: 0.012, 200: 0.013, 250: 0.014})
+    plain = set(select(parse_policy("snapkv:pool=1+window:n_recent=1"), mass, 8))
+    assert {100, 106} <= plain and not set(range(101, 106)) & plain
+    whole = set(select(parse_policy("snapkv:pool=1+window:fill=5,n_recent=1"), mass, 8))
+    assert set(range(100, 107)) <= whole and 299 in whole
+    assert select(parse_policy("snapkv:pool=1+window:fill=4,n_recent=1"), mass, 8).tolist() == sorted(plain)
+    # nothing is widened past an end: the tokens around the number keep their own ranks
+    assert not {98, 99, 107, 108} & set(select(parse_policy("snapkv:pool=1+window:fill=5,n_recent=1"), mass, 12))
 
 
 def test_baselines_select_what_they_promise():
@@ -121,3 +167,10 @@ def test_bad_selection_input():
         parse_policy("entropy+window:pool_max=2")
     with pytest.raises(PolicyError, match="span_pool must be an odd width"):
         parse_policy("snapkv+window:span_pool=4")
+    for bad in ("0", "1.5", "-0.5"):
+        with pytest.raises(PolicyError, match=r"span_share must be in \(0, 1\]"):
+            parse_policy(f"entropy:span_share={bad}")
+    with pytest.raises(PolicyError, match=r"fill must be in \[0, 64\]"):
+        parse_policy("snapkv+window:fill=-1")
+    with pytest.raises(PolicyError, match="0 <= il < n_layer"):
+        select(SnapKV(budget=0.1), np.zeros(10), 5, il=3, n_layer=3)

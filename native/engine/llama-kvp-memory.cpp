@@ -414,7 +414,7 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
             c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
         }
         if (i1 > i0) {
-            stage_score->score(policy, i0, i1, n_topk, cells);
+            stage_score->score(policy, ikv, (int32_t) layers.size(), i0, i1, n_topk, cells);
         }
     }
 

@@ -55,6 +55,8 @@ static const llama_kvp_key_info k_keys[] = {
     { "pool",       false, offsetof(llama_kvp_policy, pool)       },
     { "pool_max",   true,  offsetof(llama_kvp_policy, pool_max)   },
     { "span_pool",  false, offsetof(llama_kvp_policy, span_pool)  },
+    { "span_share", true,  offsetof(llama_kvp_policy, span_share) },
+    { "fill",       false, offsetof(llama_kvp_policy, fill)       },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
@@ -165,6 +167,8 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.pool       = 1;
     res.pool_max   = 0.0f;
     res.span_pool  = 0;
+    res.span_share = 1.0f;
+    res.fill       = 0;
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;

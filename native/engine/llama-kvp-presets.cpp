@@ -86,6 +86,7 @@ static void llama_kvp_make_entropy(llama_kvp_policy & p) {
     p.pool        = 5;
     p.pool_max    = 0.25f;
     p.span_pool   = 9;
+    p.span_share  = 1.0f;
     p.split_share = 0.5f;
 }
 
@@ -131,7 +132,7 @@ static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_PYRAMID,     "pyramid",     "budget,slope,window,pool,every,chunk,guide",
       "pyramid + window (average pooling) + every + drop + dense guided (PyramidKV)",
       llama_kvp_make_pyramid,     llama_kvp_derive_snapkv },
-    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,split_share,n_sink,n_recent,topk_share,window,pool,pool_max,span_pool,every,decay,chunk,guide",
+    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,split_share,n_sink,n_recent,topk_share,window,pool,pool_max,span_pool,span_share,fill,every,decay,chunk,guide",
       "entropy (first half of the layers) + window (spans around the best-attended, sinks, recent) + every + drop + dense guided (Kim & Jung)",
       llama_kvp_make_entropy,     llama_kvp_derive_schedule },
     { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,every,z,rewalk,span,limit,chunk",

@@ -75,11 +75,12 @@ struct llama_kvp_score_stage : llama_kvp_stage {
     // a budget made of protected tokens only (nothing is chosen by score)
     virtual bool protected_only() const { return false; }
 
-    // turns the observed (accumulated, decayed) mass of each cell, in cells[].score (0: not observed), into the
-    // eviction scores; cells are in position order, and of the middle ones, cells[i0, i1), the n_topk best-scored
-    // will be kept
-    virtual void score(const llama_kvp_policy & p, uint32_t i0, uint32_t i1, uint32_t n_topk, std::vector<llama_kvp_cell> & cells) const {
-        (void) p; (void) i0; (void) i1; (void) n_topk; (void) cells;
+    // turns the observed (accumulated, decayed) mass of each cell of KV layer il (of n_layer), in cells[].score (0:
+    // not observed), into the eviction scores; cells are in position order, and of the middle ones, cells[i0, i1),
+    // the n_topk best-scored will be kept
+    virtual void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
+                       std::vector<llama_kvp_cell> & cells) const {
+        (void) p; (void) il; (void) n_layer; (void) i0; (void) i1; (void) n_topk; (void) cells;
     }
 };
 

@@ -202,9 +202,10 @@ std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & 
     return mid;
 }
 
-int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float * mass, int32_t n, int32_t n_keep, int32_t * keep) {
-    if (!p || !mass || !keep || n < 0 || n_keep < 1) {
-        llama_kvp_set_error("select_tokens: need a policy, non-NULL arrays, n >= 0 and n_keep >= 1");
+int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
+                                int32_t n, int32_t n_keep, int32_t * keep) {
+    if (!p || !mass || !keep || n < 0 || n_keep < 1 || n_layer < 1 || il < 0 || il >= n_layer) {
+        llama_kvp_set_error("select_tokens: need a policy, non-NULL arrays, 0 <= il < n_layer, n >= 0 and n_keep >= 1");
         return -1;
     }
     if (llama_kvp_policy_validate(p) != 0) {
@@ -233,7 +234,7 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, const float *
     const uint32_t i1     = n - n_recent;
     const uint32_t n_topk = n_keep - n_sink - n_recent;
     if (stage->observes() && i1 > i0 && n_topk > 0) {
-        stage->score(*p, i0, i1, n_topk, cells);
+        stage->score(*p, il, n_layer, i0, i1, n_topk, cells);
     }
     const std::vector<uint32_t> mid = llama_kvp_rank_middle(cells, i0, i1, n_topk);
     for (size_t j = n_topk; j < mid.size(); ++j) {

@@ -13,7 +13,9 @@ class WindowScore(Stage):
     """Attention of the last `window` queries, decayed by `decay` per observation and pooled over `pool` positions.
 
     A `pool_max` share of the top-k goes to whole spans around the best-attended tokens (max pooling over
-    `span_pool` positions, 0: `pool`), the rest by average pooling (0: SnapKV's average, 1: max everywhere);
+    `span_pool` positions, 0: `pool`), the rest by average pooling (0: SnapKV's average, 1: max everywhere), in the
+    last `span_share` of the layers (the others average only); a hole of up to `fill` tokens between two
+    better-scored tokens ranks with the weaker of the two (a number is not cut in the middle);
     keeps `n_sink` sinks, the top `topk_share` of the rest and the most recent tokens (at least `n_recent`).
     """
 
@@ -24,6 +26,8 @@ class WindowScore(Stage):
     pool: Optional[int] = None
     pool_max: Optional[float] = None
     span_pool: Optional[int] = None
+    span_share: Optional[float] = None
+    fill: Optional[int] = None
     decay: Optional[float] = None
     n_sink: Optional[int] = None
     n_recent: Optional[int] = None

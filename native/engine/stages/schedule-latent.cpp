@@ -199,7 +199,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
             }
         }
         const size_t n_topk = n_keep - n_sink - n_recent;
-        mem.stage_score->score(p, n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk, cells);
+        mem.stage_score->score(p, ikv, (int32_t) mem.layers.size(), n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk, cells);
         std::vector<bool> keep(n, false);
         for (uint32_t j = 0; j < n_sink; ++j) {
             keep[j] = true;

@@ -4,7 +4,12 @@
 // `span_pool` positions (0: pool) keeps a whole span (a number, a name) around a token the window attends to, at the
 // price of the budget the span's weaker neighbours take. `pool_max` is the share of the top-k that goes to such
 // spans: the middle tokens whose max-pooled score is among the best pool_max*n_topk rank first (by that score), the
-// others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Kept: n_sink sinks, the
+// others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Spans are formed only in
+// the last `span_share` of the layers, the others average only (measured: spans in the late half alone cost less
+// streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores are then
+// closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of the two, so the
+// digits in the middle of a number whose ends are attended stay with them (max pooling widens every peak instead).
+// Kept: n_sink sinks, the
 // top `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least
 // n_recent).
 
@@ -17,14 +22,17 @@
 
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
-            "window,pool,pool_max,span_pool,decay,n_sink,n_recent,topk_share",
-            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as whole spans)") {}
+            "window,pool,pool_max,span_pool,span_share,fill,decay,n_sink,n_recent,topk_share",
+            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as whole spans, "
+            "in the last span_share of the layers; holes of up to `fill` tokens closed)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
         p.pool       = 5;
         p.pool_max   = 0.0f;
         p.span_pool  = 0;
+        p.span_share = 1.0f;
+        p.fill       = 0;
         p.decay      = 0.0f;
         p.n_sink     = 0;
         p.n_recent   = 32;
@@ -49,21 +57,35 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "pool_max must be in [0, 1] (got %g)", (double) p.pool_max);
             return buf;
         }
+        if (!(p.span_share > 0.0f && p.span_share <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "span_share must be in (0, 1] (got %g)", (double) p.span_share);
+            return buf;
+        }
+        if (p.fill < 0 || p.fill > 64) {
+            snprintf(buf, sizeof(buf), "fill must be in [0, 64] tokens (got %d)", p.fill);
+            return buf;
+        }
         return "";
     }
 
     bool observes() const override { return true; }
 
-    void score(const llama_kvp_policy & p, uint32_t i0, uint32_t i1, uint32_t n_topk, std::vector<llama_kvp_cell> & cells) const override {
+    void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
+               std::vector<llama_kvp_cell> & cells) const override {
+        // spans in the last n_span_layers layers only (at least the last one)
+        const int32_t n_span_layers = std::max<int32_t>(1, (int32_t) (p.span_share*n_layer + 0.5f));
+        const float   pool_max      = il >= n_layer - n_span_layers ? p.pool_max : 0.0f;
+
         const int32_t n  = (int32_t) cells.size();
         const int32_t ra = p.pool/2;                                  // radius of the average
         const int32_t rm = (p.span_pool > 0 ? p.span_pool : p.pool)/2; // radius of the max (the spans)
         if (n == 0 || (ra == 0 && rm == 0)) {
+            llama_kvp_score_fill(p.fill, cells);
             return;
         }
         // each pooling only where it is used (this runs at every eviction of every layer)
-        const bool use_avg = p.pool_max < 1.0f;
-        const bool use_max = p.pool_max > 0.0f;
+        const bool use_avg = pool_max < 1.0f;
+        const bool use_max = pool_max > 0.0f;
         std::vector<float> avg(n, 0.0f);
         std::vector<float> mx(n, 0.0f);
         for (int32_t j = 0; j < n; ++j) {
@@ -87,7 +109,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         // the spans: middle tokens whose max-pooled score reaches the n_span-th best of the middle; they rank above
         // every other token
         const uint32_t n_mid  = i1 > i0 ? i1 - i0 : 0;
-        const uint32_t n_span = std::min(n_mid, (uint32_t) (p.pool_max*n_topk + 0.5f));
+        const uint32_t n_span = std::min(n_mid, (uint32_t) (pool_max*n_topk + 0.5f));
         float t = INFINITY;
         if (use_max && use_avg && n_span > 0) {
             std::vector<float> best(mx.begin() + i0, mx.begin() + i1);
@@ -100,6 +122,34 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         }
         for (int32_t j = 0; j < n; ++j) {
             cells[j].score = !use_avg ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
+        }
+        llama_kvp_score_fill(p.fill, cells);
+    }
+
+    // closing of the scores with a window of fill + 1 tokens: the max over each window, then at each token the min of
+    // those over the windows that hold it (past either end the scores are 0, so an end is no side); a hole of up to
+    // `fill` tokens rises to the weaker of its two sides, every other score (an edge, a peak, a longer valley) stays
+    static void llama_kvp_score_fill(int32_t fill, std::vector<llama_kvp_cell> & cells) {
+        const int32_t n = (int32_t) cells.size();
+        const int32_t w = fill + 1;
+        if (fill <= 0 || n == 0) {
+            return;
+        }
+        // dil[k + w - 1]: the max over the window [k, k + w) for k in [1 - w, n)
+        std::vector<float> dil(n + w - 1);
+        for (int32_t k = 1 - w; k < n; ++k) {
+            float m = k < 0 || k + w > n ? 0.0f : -INFINITY;
+            for (int32_t i = std::max<int32_t>(0, k); i < std::min<int32_t>(n, k + w); ++i) {
+                m = std::max(m, cells[i].score);
+            }
+            dil[k + w - 1] = m;
+        }
+        for (int32_t j = 0; j < n; ++j) {
+            float c = INFINITY;
+            for (int32_t k = j - w + 1; k <= j; ++k) {
+                c = std::min(c, dil[k + w - 1]);
+            }
+            cells[j].score = std::max(cells[j].score, c);
         }
     }
 };
