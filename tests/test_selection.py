@@ -148,6 +148,9 @@ def test_fill_keeps_the_middle_of_a_number_whose_ends_are_attended():
     assert select(parse_policy("snapkv:pool=1+window:fill=4,n_recent=1"), mass, 8).tolist() == sorted(plain)
     # nothing is widened past an end: the tokens around the number keep their own ranks
     assert not {98, 99, 107, 108} & set(select(parse_policy("snapkv:pool=1+window:fill=5,n_recent=1"), mass, 12))
+    # like the spans, holes are filled only in the last span_share of the layers
+    half = parse_policy("snapkv:pool=1+window:fill=5,span_share=0.5,n_recent=1")
+    assert set(select(half, mass, 8, 0, 2)) == plain and set(select(half, mass, 8, 1, 2)) == whole
 
 
 def test_baselines_select_what_they_promise():

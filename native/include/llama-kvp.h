@@ -105,8 +105,8 @@ struct llama_kvp_policy {
     float   pool_max;   // share of the top-k kept as whole spans (max pooling around the best-attended tokens), the
                         // rest by average pooling, in [0, 1]: 0 = average (SnapKV), 1 = max everywhere
     int32_t span_pool;  // width of the max pooling that forms those spans (odd, 0 = pool)
-    float   span_share; // share of the layers, from the last, whose top-k takes those spans (the others average only),
-                        // in (0, 1]
+    float   span_share; // share of the layers, from the last, whose top-k takes those spans and fills holes (the others
+                        // average only), in (0, 1]
     int32_t fill;       // holes of up to `fill` tokens between two better-scored tokens rank with the weaker of the two
                         // (a closing of the scores: a number or a name is not cut in the middle), 0 = off
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)

@@ -6,8 +6,8 @@
 // spans: the middle tokens whose max-pooled score is among the best pool_max*n_topk rank first (by that score), the
 // others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Spans are formed only in
 // the last `span_share` of the layers, the others average only (measured: spans in the late half alone cost less
-// streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores are then
-// closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of the two, so the
+// streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores of those
+// layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of the two, so the
 // digits in the middle of a number whose ends are attended stay with them (max pooling widens every peak instead).
 // Kept: n_sink sinks, the
 // top `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least
@@ -72,15 +72,17 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
 
     void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
                std::vector<llama_kvp_cell> & cells) const override {
-        // spans in the last n_span_layers layers only (at least the last one)
+        // spans and filled holes in the last n_span_layers layers only (at least the last one)
         const int32_t n_span_layers = std::max<int32_t>(1, (int32_t) (p.span_share*n_layer + 0.5f));
-        const float   pool_max      = il >= n_layer - n_span_layers ? p.pool_max : 0.0f;
+        const bool    span_layer    = il >= n_layer - n_span_layers;
+        const float   pool_max      = span_layer ? p.pool_max : 0.0f;
+        const int32_t fill          = span_layer ? p.fill : 0;
 
         const int32_t n  = (int32_t) cells.size();
         const int32_t ra = p.pool/2;                                  // radius of the average
         const int32_t rm = (p.span_pool > 0 ? p.span_pool : p.pool)/2; // radius of the max (the spans)
         if (n == 0 || (ra == 0 && rm == 0)) {
-            llama_kvp_score_fill(p.fill, cells);
+            llama_kvp_score_fill(fill, cells);
             return;
         }
         // each pooling only where it is used (this runs at every eviction of every layer)
@@ -123,7 +125,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         for (int32_t j = 0; j < n; ++j) {
             cells[j].score = !use_avg ? mx[j] : (mx[j] >= t && mx[j] > 0.0f) ? top + mx[j] : avg[j];
         }
-        llama_kvp_score_fill(p.fill, cells);
+        llama_kvp_score_fill(fill, cells);
     }
 
     // closing of the scores with a window of fill + 1 tokens: the max over each window, then at each token the min of
