@@ -86,7 +86,6 @@ static void llama_kvp_make_entropy(llama_kvp_policy & p) {
     p.pool        = 5;
     p.pool_max    = 0.25f;
     p.span_pool   = 9;
-    p.span_share  = 1.0f;
     p.split_share = 0.5f;
 }
 

@@ -7,11 +7,10 @@
 // others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Spans are formed only in
 // the last `span_share` of the layers, the others average only (measured: spans in the late half alone cost less
 // streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores of those
-// layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of the two, so the
-// digits in the middle of a number whose ends are attended stay with them (max pooling widens every peak instead).
-// Kept: n_sink sinks, the
-// top `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least
-// n_recent).
+// layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of
+// the two, so the digits in the middle of a number whose ends are attended stay with them (max pooling widens every
+// peak instead). Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent
+// tokens for what is left (at least n_recent).
 
 #include "llama-kvp-stage.h"
 
@@ -23,8 +22,8 @@
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
             "window,pool,pool_max,span_pool,span_share,fill,decay,n_sink,n_recent,topk_share",
-            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as whole spans, "
-            "in the last span_share of the layers; holes of up to `fill` tokens closed)") {}
+            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as "
+            "whole spans, in the last span_share of the layers; holes of up to `fill` tokens closed)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
@@ -129,8 +128,9 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
     }
 
     // closing of the scores with a window of fill + 1 tokens: the max over each window, then at each token the min of
-    // those over the windows that hold it (past either end the scores are 0, so an end is no side); a hole of up to
-    // `fill` tokens rises to the weaker of its two sides, every other score (an edge, a peak, a longer valley) stays
+    // those over the windows that hold it (scores are >= 0 and count as 0 past either end, so an end is no side); a
+    // hole of up to `fill` tokens rises to the weaker of its two sides, every other score (an edge, a peak, a longer
+    // valley) stays
     static void llama_kvp_score_fill(int32_t fill, std::vector<llama_kvp_cell> & cells) {
         const int32_t n = (int32_t) cells.size();
         const int32_t w = fill + 1;
@@ -140,7 +140,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         // dil[k + w - 1]: the max over the window [k, k + w) for k in [1 - w, n)
         std::vector<float> dil(n + w - 1);
         for (int32_t k = 1 - w; k < n; ++k) {
-            float m = k < 0 || k + w > n ? 0.0f : -INFINITY;
+            float m = 0.0f;
             for (int32_t i = std::max<int32_t>(0, k); i < std::min<int32_t>(n, k + w); ++i) {
                 m = std::max(m, cells[i].score);
             }
