@@ -114,9 +114,9 @@ class EntropyLayerBudget(RetentionPolicy):
     `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by `decay` per
     observation), and the most recent tokens (at least `n_recent`). In the last `span_share` of the layers a
     `pool_max` share of the top-k goes to whole spans of `span_pool` tokens around the best-attended tokens (a
-    number, a name), with holes of up to `fill` tokens between better-scored tokens filled; the rest of the top-k,
-    and all of it in the other layers, by the average over `pool` positions. With `guide`, prompt chunks are scored
-    by the prompt's last `window` tokens (see `SnapKV`)."""
+    number, a name), the rest of the top-k, and all of it in the other layers, by the average over `pool`
+    positions; in the last `fill_share` of the layers holes of up to `fill` tokens between better-scored tokens are
+    filled. With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -133,7 +133,8 @@ class EntropyLayerBudget(RetentionPolicy):
     pool_max: float = 0.25
     span_pool: int = 9
     span_share: float = 1.0
-    fill: int = 0
+    fill: int = 4
+    fill_share: float = 0.5
     every: int = 16
     decay: float = 0.5
     chunk: int = 128

@@ -148,9 +148,13 @@ def test_fill_keeps_the_middle_of_a_number_whose_ends_are_attended():
     assert select(parse_policy("snapkv:pool=1+window:fill=4,n_recent=1"), mass, 8).tolist() == sorted(plain)
     # nothing is widened past an end: the tokens around the number keep their own ranks
     assert not {98, 99, 107, 108} & set(select(parse_policy("snapkv:pool=1+window:fill=5,n_recent=1"), mass, 12))
-    # like the spans, holes are filled only in the last span_share of the layers
-    half = parse_policy("snapkv:pool=1+window:fill=5,span_share=0.5,n_recent=1")
+    # holes are filled only in the last fill_share of the layers (half by default), whatever the layers of the spans
+    half = parse_policy("snapkv:pool=1+window:fill=5,n_recent=1")
     assert set(select(half, mass, 8, 0, 2)) == plain and set(select(half, mass, 8, 1, 2)) == whole
+    late = parse_policy("snapkv:pool=1+window:fill=5,fill_share=0.25,span_share=1,n_recent=1")
+    assert [set(select(late, mass, 8, il, 8)) == whole for il in range(8)] == [False] * 6 + [True] * 2
+    every = parse_policy("snapkv:pool=1+window:fill=5,fill_share=1,span_share=0.25,n_recent=1")
+    assert all(set(select(every, mass, 8, il, 8)) == whole for il in range(8))
 
 
 def test_baselines_select_what_they_promise():
@@ -175,5 +179,8 @@ def test_bad_selection_input():
             parse_policy(f"entropy:span_share={bad}")
     with pytest.raises(PolicyError, match=r"fill must be in \[0, 64\]"):
         parse_policy("snapkv+window:fill=-1")
+    for bad in ("0", "2"):
+        with pytest.raises(PolicyError, match=r"fill_share must be in \(0, 1\]"):
+            parse_policy(f"entropy:fill_share={bad}")
     with pytest.raises(PolicyError, match="0 <= il < n_layer"):
         select(SnapKV(budget=0.1), np.zeros(10), 5, il=3, n_layer=3)

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 12
+#define LLAMA_KVP_API_VERSION 13
 
 #ifdef __cplusplus
 extern "C" {
@@ -105,10 +105,11 @@ struct llama_kvp_policy {
     float   pool_max;   // share of the top-k kept as whole spans (max pooling around the best-attended tokens), the
                         // rest by average pooling, in [0, 1]: 0 = average (SnapKV), 1 = max everywhere
     int32_t span_pool;  // width of the max pooling that forms those spans (odd, 0 = pool)
-    float   span_share; // share of the layers, from the last, whose top-k takes those spans and fills holes (the others
-                        // average only), in (0, 1]
+    float   span_share; // share of the layers, from the last, whose top-k takes those spans (the others average only),
+                        // in (0, 1]
     int32_t fill;       // holes of up to `fill` tokens between two better-scored tokens rank with the weaker of the two
                         // (a closing of the scores: a number or a name is not cut in the middle), 0 = off
+    float   fill_share; // share of the layers, from the last, whose holes are filled, in (0, 1]
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it

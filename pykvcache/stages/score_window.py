@@ -14,8 +14,9 @@ class WindowScore(Stage):
 
     A `pool_max` share of the top-k goes to whole spans around the best-attended tokens (max pooling over
     `span_pool` positions, 0: `pool`), the rest by average pooling (0: SnapKV's average, 1: max everywhere), in the
-    last `span_share` of the layers (the others average only), where a hole of up to `fill` tokens between two
-    better-scored tokens also ranks with the weaker of the two (a number is not cut in the middle);
+    last `span_share` of the layers (the others average only); in the last `fill_share` of the layers a hole of up to
+    `fill` tokens between two better-scored tokens also ranks with the weaker of the two (a number is not cut in the
+    middle);
     keeps `n_sink` sinks, the top `topk_share` of the rest and the most recent tokens (at least `n_recent`).
     """
 
@@ -28,6 +29,7 @@ class WindowScore(Stage):
     span_pool: Optional[int] = None
     span_share: Optional[float] = None
     fill: Optional[int] = None
+    fill_share: Optional[float] = None
     decay: Optional[float] = None
     n_sink: Optional[int] = None
     n_recent: Optional[int] = None

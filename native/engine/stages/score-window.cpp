@@ -6,11 +6,12 @@
 // spans: the middle tokens whose max-pooled score is among the best pool_max*n_topk rank first (by that score), the
 // others follow by their average-pooled score; 0 is SnapKV's average, 1 the max everywhere. Spans are formed only in
 // the last `span_share` of the layers, the others average only (measured: spans in the late half alone cost less
-// streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores of those
-// layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks with the weaker of
-// the two, so the digits in the middle of a number whose ends are attended stay with them (max pooling widens every
-// peak instead). Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent
-// tokens for what is left (at least n_recent).
+// streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores of the last
+// `fill_share` of the layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks
+// with the weaker of the two, so the digits in the middle of a number whose ends are attended stay with them (max
+// pooling widens every peak instead; filled holes in every layer cost streamed KL, in the late half they do not).
+// Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent tokens for what
+// is left (at least n_recent).
 
 #include "llama-kvp-stage.h"
 
@@ -21,9 +22,10 @@
 
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
-            "window,pool,pool_max,span_pool,span_share,fill,decay,n_sink,n_recent,topk_share",
+            "window,pool,pool_max,span_pool,span_share,fill,fill_share,decay,n_sink,n_recent,topk_share",
             "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as "
-            "whole spans, in the last span_share of the layers; holes of up to `fill` tokens closed)") {}
+            "whole spans, in the last span_share of the layers; holes of up to `fill` tokens closed in the last "
+            "fill_share)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
@@ -32,6 +34,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         p.span_pool  = 0;
         p.span_share = 1.0f;
         p.fill       = 0;
+        p.fill_share = 0.5f;
         p.decay      = 0.0f;
         p.n_sink     = 0;
         p.n_recent   = 32;
@@ -64,6 +67,10 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "fill must be in [0, 64] tokens (got %d)", p.fill);
             return buf;
         }
+        if (!(p.fill_share > 0.0f && p.fill_share <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "fill_share must be in (0, 1] (got %g)", (double) p.fill_share);
+            return buf;
+        }
         return "";
     }
 
@@ -71,11 +78,11 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
 
     void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
                std::vector<llama_kvp_cell> & cells) const override {
-        // spans and filled holes in the last n_span_layers layers only (at least the last one)
+        // spans in the last span_share of the layers, filled holes in the last fill_share (each at least the last layer)
         const int32_t n_span_layers = std::max<int32_t>(1, (int32_t) (p.span_share*n_layer + 0.5f));
-        const bool    span_layer    = il >= n_layer - n_span_layers;
-        const float   pool_max      = span_layer ? p.pool_max : 0.0f;
-        const int32_t fill          = span_layer ? p.fill : 0;
+        const int32_t n_fill_layers = std::max<int32_t>(1, (int32_t) (p.fill_share*n_layer + 0.5f));
+        const float   pool_max      = il >= n_layer - n_span_layers ? p.pool_max : 0.0f;
+        const int32_t fill          = il >= n_layer - n_fill_layers ? p.fill : 0;
 
         const int32_t n  = (int32_t) cells.size();
         const int32_t ra = p.pool/2;                                  // radius of the average
