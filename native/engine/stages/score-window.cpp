@@ -9,9 +9,9 @@
 // streamed KL, but hold a chat's early fact in fewer layers; docs/NOTES.md). With `fill`, the scores of the last
 // `fill_share` of the layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks
 // with the weaker of the two, so the digits in the middle of a number whose ends are attended stay with them (max
-// pooling widens every peak instead; filled holes in every layer cost streamed KL, in the late half they do not).
-// Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent tokens for what
-// is left (at least n_recent).
+// pooling widens every peak instead; filled holes in every layer cost 13% of the essays' streamed KL at 10%, in the
+// late half 3%). Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent
+// tokens for what is left (at least n_recent).
 
 #include "llama-kvp-stage.h"
 
