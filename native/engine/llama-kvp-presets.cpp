@@ -82,14 +82,14 @@ static void llama_kvp_make_entropy(llama_kvp_policy & p) {
     // measured at 10% on two corpora (docs/NOTES.md, issue 18): the whole budget after the sinks goes to the top-k
     // (the window's own queries keep the recent tokens that matter), a quarter of it as whole spans of 9 around the
     // best-attended tokens and the rest by the average over 5, and only the first half of the layers split by entropy;
-    // in the last half of the layers holes of up to 4 tokens are filled (a 7-digit number is not cut in the middle)
+    // holes of up to 4 tokens are filled (in the window stage's default fill_share, the last half of the layers: a
+    // 7-digit number is not cut in the middle)
     p.topk_share  = 1.0f;
     p.pool        = 5;
     p.pool_max    = 0.25f;
     p.span_pool   = 9;
     p.split_share = 0.5f;
     p.fill        = 4;
-    p.fill_share  = 0.5f;
 }
 
 // ASR-KF: every token kept (the budget is the context), tokens of low attention frozen into the host tier

@@ -184,6 +184,11 @@ std::string llama_kvp_check_window  (const llama_kvp_policy & p);
 std::string llama_kvp_check_decay   (const llama_kvp_policy & p);
 std::string llama_kvp_check_chunk   (const llama_kvp_policy & p); // chunk and guide (prefill stages)
 
+// a key that is a share of the layers (split_share, span_share, fill_share): its check, in (0, 1], and the number of
+// layers it covers, rounded, at least one
+std::string llama_kvp_check_layer_share(const char * key, float share);
+int32_t     llama_kvp_layer_share_count(float share, int32_t n_layer);
+
 // tokens of the prompt's end run behind each chunk with guide=1 (prefill stages)
 uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch);
 

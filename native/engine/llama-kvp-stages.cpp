@@ -150,6 +150,19 @@ std::string llama_kvp_check_decay(const llama_kvp_policy & p) {
     return "";
 }
 
+std::string llama_kvp_check_layer_share(const char * key, float share) {
+    char buf[128];
+    if (!(share > 0.0f && share <= 1.0f)) {
+        snprintf(buf, sizeof(buf), "%s must be in (0, 1] (got %g)", key, (double) share);
+        return buf;
+    }
+    return "";
+}
+
+int32_t llama_kvp_layer_share_count(float share, int32_t n_layer) {
+    return std::max<int32_t>(1, (int32_t) (share*n_layer + 0.5f));
+}
+
 std::string llama_kvp_check_chunk(const llama_kvp_policy & p) {
     char buf[128];
     if (p.guide != 0 && p.guide != 1) {

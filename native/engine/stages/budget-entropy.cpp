@@ -34,9 +34,9 @@ struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
             snprintf(buf, sizeof(buf), "max_layer must be >= 0 (got %d; 0 = 2*budget)", p.max_layer);
             return buf;
         }
-        if (!(p.split_share > 0.0f && p.split_share <= 1.0f)) {
-            snprintf(buf, sizeof(buf), "split_share must be in (0, 1] (got %g)", (double) p.split_share);
-            return buf;
+        err = llama_kvp_check_layer_share("split_share", p.split_share);
+        if (!err.empty()) {
+            return err;
         }
         if (p.min_layer > 0 && p.max_layer > 0 && p.min_layer > p.max_layer) {
             snprintf(buf, sizeof(buf), "min_layer (%d) is larger than max_layer (%d)", p.min_layer, p.max_layer);
@@ -59,7 +59,7 @@ struct llama_kvp_budget_entropy : llama_kvp_budget_stage {
                       uint32_t lo, uint32_t hi, std::vector<uint32_t> & out) const override {
         const int32_t lo_l = p.min_layer > 0 ? p.min_layer : std::max<int32_t>(lo, mean/4);
         const int32_t hi_l = p.max_layer > 0 ? p.max_layer : (int32_t) std::min<uint32_t>(2*mean, hi);
-        const int32_t n_split = std::max<int32_t>(1, (int32_t) (p.split_share*n_layer + 0.5f));
+        const int32_t n_split = llama_kvp_layer_share_count(p.split_share, n_layer);
         std::vector<int32_t> res(n_layer, (int32_t) mean);
         if (llama_kvp_allocate_budgets(entropy, n_split, (int64_t) mean*n_split, std::min<int32_t>(lo_l, mean),
                     std::max<int32_t>(hi_l, mean), res.data()) != 0) {

@@ -59,19 +59,15 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "pool_max must be in [0, 1] (got %g)", (double) p.pool_max);
             return buf;
         }
-        if (!(p.span_share > 0.0f && p.span_share <= 1.0f)) {
-            snprintf(buf, sizeof(buf), "span_share must be in (0, 1] (got %g)", (double) p.span_share);
-            return buf;
+        std::string e = llama_kvp_check_layer_share("span_share", p.span_share);
+        if (!e.empty()) {
+            return e;
         }
         if (p.fill < 0 || p.fill > 64) {
             snprintf(buf, sizeof(buf), "fill must be in [0, 64] tokens (got %d)", p.fill);
             return buf;
         }
-        if (!(p.fill_share > 0.0f && p.fill_share <= 1.0f)) {
-            snprintf(buf, sizeof(buf), "fill_share must be in (0, 1] (got %g)", (double) p.fill_share);
-            return buf;
-        }
-        return "";
+        return llama_kvp_check_layer_share("fill_share", p.fill_share);
     }
 
     bool observes() const override { return true; }
@@ -79,8 +75,8 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
     void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
                std::vector<llama_kvp_cell> & cells) const override {
         // spans in the last span_share of the layers, filled holes in the last fill_share (each at least the last layer)
-        const int32_t n_span_layers = std::max<int32_t>(1, (int32_t) (p.span_share*n_layer + 0.5f));
-        const int32_t n_fill_layers = std::max<int32_t>(1, (int32_t) (p.fill_share*n_layer + 0.5f));
+        const int32_t n_span_layers = llama_kvp_layer_share_count(p.span_share, n_layer);
+        const int32_t n_fill_layers = llama_kvp_layer_share_count(p.fill_share, n_layer);
         const float   pool_max      = il >= n_layer - n_span_layers ? p.pool_max : 0.0f;
         const int32_t fill          = il >= n_layer - n_fill_layers ? p.fill : 0;
 
