@@ -135,6 +135,7 @@ class EntropyLayerBudget(RetentionPolicy):
     span_share: float = 1.0
     fill: int = 4
     fill_share: float = 0.5
+    vnorm: float = 0.0
     every: int = 16
     decay: float = 0.5
     chunk: int = 128

@@ -12,13 +12,14 @@ from pykvcache import H2O, PolicyError, SinkRecent, SnapKV, parse_policy
 from pykvcache._native import last_error, native
 
 
-def select(policy, mass, n_keep, il=0, n_layer=1):
-    """Cells kept by layer il of n_layer (the only layer by default)."""
+def select(policy, mass, n_keep, il=0, n_layer=1, value=None):
+    """Cells kept by layer il of n_layer (the only layer by default), with the value norms of the tokens (all 1)."""
     ffi, lib = native()
     m = np.ascontiguousarray(mass, dtype=np.float32)
+    v = ffi.NULL if value is None else ffi.cast("float *", ffi.from_buffer(np.ascontiguousarray(value, dtype=np.float32)))
     keep = np.zeros(len(m), dtype=np.int32)
-    rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), len(m),
-                                     n_keep, ffi.cast("int32_t *", ffi.from_buffer(keep)))
+    rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), v,
+                                     len(m), n_keep, ffi.cast("int32_t *", ffi.from_buffer(keep)))
     if rc != 0:
         raise PolicyError(last_error())
     return np.flatnonzero(keep)
@@ -157,6 +158,29 @@ def test_fill_keeps_the_middle_of_a_number_whose_ends_are_attended():
     assert all(set(select(every, mass, 8, il, 8)) == whole for il in range(8))
 
 
+def test_value_norms_discount_attention_to_near_zero_values():
+    # two tokens with the same attention: with vnorm the one whose value vectors are long is kept, the one whose
+    # values are near zero (a sink-like token: attended, but moving the output little) leaves; without it they tie
+    # and the newer one wins
+    mass = spiky_mass(200, {50: 0.2, 120: 0.2})
+    value = np.ones(200, dtype=np.float32)
+    value[120] = 0.05
+    plain = parse_policy("snapkv:pool=1+window:n_recent=1")
+    weighted = parse_policy("snapkv:pool=1+window:vnorm=1,n_recent=1")
+    assert set(select(plain, mass, 2, value=value)) == {120, 199}
+    assert set(select(weighted, mass, 2, value=value)) == {50, 199}
+    assert set(select(weighted, mass, 2)) == {120, 199}  # no norms given: all 1, the same as without vnorm
+    # the weighting is the score's first step: the pooled, spanned scores are those of mass * value**vnorm
+    rng = np.random.default_rng(7)
+    mass = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
+    value = rng.integers(1, 16, 500).astype(np.float32) / 4
+    for vnorm in (1, 2):
+        pol = parse_policy(f"entropy:vnorm={vnorm}")
+        got = select(pol, mass, 60, 29, 30, value=value)
+        want = select_reference(mass * value**vnorm, 60, 4, 16, 1.0, 5, 0.25, 9, fill=4)
+        assert got.tolist() == want.tolist()
+
+
 def test_baselines_select_what_they_promise():
     mass = spiky_mass(200, {50: 0.5})
     kept = select(SinkRecent(n_sink=4, n_recent=20), mass, 24)
@@ -182,5 +206,8 @@ def test_bad_selection_input():
     for bad in ("0", "2"):
         with pytest.raises(PolicyError, match=r"fill_share must be in \(0, 1\]"):
             parse_policy(f"entropy:fill_share={bad}")
+    for bad in ("-1", "5"):
+        with pytest.raises(PolicyError, match=r"vnorm must be in \[0, 4\]"):
+            parse_policy(f"entropy:vnorm={bad}")
     with pytest.raises(PolicyError, match="0 <= il < n_layer"):
         select(SnapKV(budget=0.1), np.zeros(10), 5, il=3, n_layer=3)

@@ -40,3 +40,9 @@ def test_entropy_keeps_needles_at_ten_percent(cases_and_full):
     snapkv = hits_of(cfg, cases, "snapkv")
     assert sum(ent) >= sum(full) - 1
     assert sum(ent) >= sum(snapkv)
+
+
+def test_value_norm_weighting_keeps_the_needles(cases_and_full):
+    # the mass weighted by each token's value norm (read from the cache by the memory) keeps what the full cache finds
+    cfg, cases, full = cases_and_full
+    assert sum(hits_of(cfg, cases, "entropy:vnorm=1")) >= sum(full) - 1

@@ -41,6 +41,11 @@ struct llama_kvp_mem_layer {
     };
     mutable std::vector<bias_cell> bias_cells;
 
+    // the value norm of the token in each cell (score stages that use values), valid where vnorm_pos holds the
+    // cell's position; emptied when positions are removed or reloaded (a position then may hold another token)
+    std::vector<float>     vnorm;
+    std::vector<llama_pos> vnorm_pos;
+
     std::unique_ptr<llama_kvp_layer_state> fate;  // the fate stage's own state of this layer (nullptr: none)
     std::unique_ptr<llama_kvp_layer_state> sched; // the schedule stage's own state of this layer (nullptr: none)
 };
@@ -228,6 +233,9 @@ private:
 
     // evict the lowest-value cells of one layer until n_keep remain
     void evict(int32_t ikv, uint32_t n_keep);
+
+    // the value norm of each cell's token into cells[].value (read from the cache for the cells not known yet)
+    void value_norms(int32_t ikv, std::vector<llama_kvp_cell> & cells);
 
     void note_bytes(int64_t extra);
 };

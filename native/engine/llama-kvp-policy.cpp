@@ -58,6 +58,7 @@ static const llama_kvp_key_info k_keys[] = {
     { "span_share", true,  offsetof(llama_kvp_policy, span_share) },
     { "fill",       false, offsetof(llama_kvp_policy, fill)       },
     { "fill_share", true,  offsetof(llama_kvp_policy, fill_share) },
+    { "vnorm",      true,  offsetof(llama_kvp_policy, vnorm)      },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
@@ -171,6 +172,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.span_share = 1.0f;
     res.fill       = 0;
     res.fill_share = 0.5f;
+    res.vnorm      = 0.0f;
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;

@@ -134,7 +134,7 @@ static const llama_kvp_preset k_presets[] = {
     { LLAMA_KVP_POLICY_PYRAMID,     "pyramid",     "budget,slope,window,pool,every,chunk,guide",
       "pyramid + window (average pooling) + every + drop + dense guided (PyramidKV)",
       llama_kvp_make_pyramid,     llama_kvp_derive_snapkv },
-    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,split_share,n_sink,n_recent,topk_share,window,pool,pool_max,span_pool,span_share,fill,fill_share,every,decay,chunk,guide",
+    { LLAMA_KVP_POLICY_ENTROPY,     "entropy",     "budget,min_layer,max_layer,split_share,n_sink,n_recent,topk_share,window,pool,pool_max,span_pool,span_share,fill,fill_share,vnorm,every,decay,chunk,guide",
       "entropy (first half of the layers) + window (spans around the best-attended, holes filled in the late half, sinks, recent) + every + drop + dense guided (Kim & Jung)",
       llama_kvp_make_entropy,     llama_kvp_derive_schedule },
     { LLAMA_KVP_POLICY_FREEZE,      "freeze",      "n_recent,tau,k,hist,every,z,rewalk,span,limit,chunk",

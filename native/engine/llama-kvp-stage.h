@@ -53,11 +53,13 @@ struct llama_kvp_budget_stage : llama_kvp_stage {
                               uint32_t lo, uint32_t hi, std::vector<uint32_t> & out) const;
 };
 
-// a cell of a layer's cache, in the order of positions, with its eviction score
+// a cell of a layer's cache, in the order of positions, with its eviction score (and, for a score stage that uses
+// values, the norm of the token's value vectors, mean over the KV heads)
 struct llama_kvp_cell {
     llama_pos pos;
     uint32_t  idx;
     float     score;
+    float     value = 1.0f;
 };
 
 struct llama_kvp_score_stage : llama_kvp_stage {
@@ -65,6 +67,9 @@ struct llama_kvp_score_stage : llama_kvp_stage {
 
     // does scoring need the in-graph observation of attention
     virtual bool observes() const = 0;
+
+    // does scoring need the value norm of each cell (llama_kvp_cell::value)
+    virtual bool uses_values(const llama_kvp_policy & p) const { (void) p; return false; }
 
     // the tokens always kept by a layer with this budget: the first n_sink and the last n_recent
     virtual void protect(const llama_kvp_policy & p, uint32_t budget, uint32_t & n_sink, uint32_t & n_recent) const;

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 13
+#define LLAMA_KVP_API_VERSION 14
 
 #ifdef __cplusplus
 extern "C" {
@@ -110,6 +110,8 @@ struct llama_kvp_policy {
     int32_t fill;       // holes of up to `fill` tokens between two better-scored tokens rank with the weaker of the two
                         // (a closing of the scores: a number or a name is not cut in the middle), 0 = off
     float   fill_share; // share of the layers, from the last, whose holes are filled, in (0, 1]
+    float   vnorm;      // a token's observed mass is weighted by the norm of its value vectors (mean over the KV
+                        // heads) to this power, in [0, 4]: 0 = attention only, 1 = attention x value norm (VATP)
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
@@ -310,10 +312,11 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out);
 
-// the tokens layer il of n_layer keeps out of n (in position order, with the observed attention mass of each) when it
-// keeps n_keep of them: keep[j] = 1 or 0 (pure function: the score stage's sinks, recent tokens and top-k by its scores)
+// the tokens layer il of n_layer keeps out of n (in position order, with the observed attention mass of each and the
+// norm of its value vectors, NULL: all 1) when it keeps n_keep of them: keep[j] = 1 or 0 (pure function: the score
+// stage's sinks, recent tokens and top-k by its scores)
 int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
-                                int32_t n, int32_t n_keep, int32_t * keep);
+                                const float * value, int32_t n, int32_t n_keep, int32_t * keep);
 
 // --- summarise fate (fate stage `summarise`) ---
 

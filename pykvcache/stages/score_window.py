@@ -16,7 +16,7 @@ class WindowScore(Stage):
     `span_pool` positions, 0: `pool`), the rest by average pooling (0: SnapKV's average, 1: max everywhere), in the
     last `span_share` of the layers (the others average only); in the last `fill_share` of the layers a hole of up to
     `fill` tokens between two better-scored tokens also ranks with the weaker of the two (a number is not cut in the
-    middle);
+    middle); with `vnorm` > 0 a token's mass is first weighted by the norm of its value vectors to that power (VATP);
     keeps `n_sink` sinks, the top `topk_share` of the rest and the most recent tokens (at least `n_recent`).
     """
 
@@ -30,6 +30,7 @@ class WindowScore(Stage):
     span_share: Optional[float] = None
     fill: Optional[int] = None
     fill_share: Optional[float] = None
+    vnorm: Optional[float] = None
     decay: Optional[float] = None
     n_sink: Optional[int] = None
     n_recent: Optional[int] = None

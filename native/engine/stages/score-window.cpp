@@ -10,8 +10,10 @@
 // `fill_share` of the layers are then closed: a hole of up to `fill` tokens between two better-scored tokens ranks
 // with the weaker of the two, so the digits in the middle of a number whose ends are attended stay with them (max
 // pooling widens every peak instead; filled holes in every layer cost 13% of the essays' streamed KL at 10%, in the
-// late half 3%). Kept: n_sink sinks, the top `topk_share` of the rest of the layer budget by score, the most recent
-// tokens for what is left (at least n_recent).
+// late half 3%). With `vnorm`, a token's mass is first weighted by the norm of its value vectors to that power
+// (VATP: attention to a token whose value is near zero, a sink or a punctuation mark, moves the output little; the
+// norm is the mean over the KV heads, as the mass is the mean over the heads). Kept: n_sink sinks, the top
+// `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least n_recent).
 
 #include "llama-kvp-stage.h"
 
@@ -22,10 +24,10 @@
 
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
-            "window,pool,pool_max,span_pool,span_share,fill,fill_share,decay,n_sink,n_recent,topk_share",
-            "attention of the last `window` queries, pooled over `pool` positions (a pool_max share of the top-k as "
-            "whole spans, in the last span_share of the layers; holes of up to `fill` tokens closed in the last "
-            "fill_share)") {}
+            "window,pool,pool_max,span_pool,span_share,fill,fill_share,vnorm,decay,n_sink,n_recent,topk_share",
+            "attention of the last `window` queries, times the value norm to the power vnorm, pooled over `pool` "
+            "positions (a pool_max share of the top-k as whole spans, in the last span_share of the layers; holes of "
+            "up to `fill` tokens closed in the last fill_share)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
@@ -35,6 +37,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         p.span_share = 1.0f;
         p.fill       = 0;
         p.fill_share = 0.5f;
+        p.vnorm      = 0.0f;
         p.decay      = 0.0f;
         p.n_sink     = 0;
         p.n_recent   = 32;
@@ -67,10 +70,16 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "fill must be in [0, 64] tokens (got %d)", p.fill);
             return buf;
         }
+        if (!(p.vnorm >= 0.0f && p.vnorm <= 4.0f)) {
+            snprintf(buf, sizeof(buf), "vnorm must be in [0, 4] (got %g)", (double) p.vnorm);
+            return buf;
+        }
         return llama_kvp_check_layer_share("fill_share", p.fill_share);
     }
 
     bool observes() const override { return true; }
+
+    bool uses_values(const llama_kvp_policy & p) const override { return p.vnorm > 0.0f; }
 
     void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
                std::vector<llama_kvp_cell> & cells) const override {
@@ -81,6 +90,11 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         const int32_t fill          = il >= n_layer - n_fill_layers ? p.fill : 0;
 
         const int32_t n  = (int32_t) cells.size();
+        if (p.vnorm > 0.0f) {
+            for (auto & c : cells) {
+                c.score *= p.vnorm == 1.0f ? c.value : std::pow(c.value, p.vnorm);
+            }
+        }
         const int32_t ra = p.pool/2;                                  // radius of the average
         const int32_t rm = (p.span_pool > 0 ? p.span_pool : p.pool)/2; // radius of the max (the spans)
         if (n == 0 || (ra == 0 && rm == 0)) {
