@@ -447,6 +447,7 @@ void llama_kvp_memory::value_norms(int32_t ikv, std::vector<llama_kvp_cell> & ce
     for (const auto & c : cells) {
         if (L.vnorm_pos[c.idx] != c.pos) {
             miss.push_back(c.idx);
+            L.vnorm_pos[c.idx] = c.pos; // its norm is computed below
         }
     }
     if (!miss.empty()) {
@@ -469,8 +470,7 @@ void llama_kvp_memory::value_norms(int32_t ikv, std::vector<llama_kvp_cell> & ce
                 }
                 sum += std::sqrt(s2);
             }
-            L.vnorm[miss[i]]     = std::isfinite(sum) ? (float) (sum/n_head) : 0.0f;
-            L.vnorm_pos[miss[i]] = llama_kvp_kv_access::cell_pos(*L.kv, miss[i]);
+            L.vnorm[miss[i]] = std::isfinite(sum) ? (float) (sum/n_head) : 0.0f;
         }
     }
     for (auto & c : cells) {
@@ -495,7 +495,9 @@ int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
         if (llama_kvp_kv_access::cell_pos(*L.kv, i) < 0) {
             llama_kvp_kv_access::cell_set(*L.kv, i, pos, seq_cur);
             L.bias[pos] = bias;
-            L.vnorm_pos.clear(); // a centroid at the position of a token that left
+            if (i < L.vnorm_pos.size()) {
+                L.vnorm_pos[i] = -1; // a centroid, maybe in the cell and at the position of a token that left
+            }
             if (st) {
                 llama_kvp_obs_layer_forget(st, ikv, pos, pos + 1); // a new token in this cell: not observed yet
             }
