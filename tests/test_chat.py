@@ -37,7 +37,9 @@ def test_twenty_turns_past_the_physical_cache(model_path, reuse):
     # bounded: the buffers do not grow with the conversation once it is past the budget
     assert max(sizes[5:]) <= 1.1 * max(sizes[:5])
     mem = llm.kv_memory()
-    assert max(b.n_used for b in mem.layers) <= max(b.budget for b in mem.layers) + 1
+    # entropy evicts at the decode step after each refresh of its scores (every 16): up to 15 newer tokens beside
+    # the budget, plus the token being decoded
+    assert max(b.n_used for b in mem.layers) <= max(b.budget for b in mem.layers) + 16
 
     # the question about the first turn: the policy keeps the fact's tokens in more layers than the small talk
     ask = msgs + [{"role": "user", "content": "What is my locker code?"}]

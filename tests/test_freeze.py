@@ -202,7 +202,7 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
         n_layer = h.state.shape[0]
         held[spec] = (h.state[:, fpos] == HostTelemetry.ACTIVE).sum()
         mem = llm.kv_memory()
-        assert all(b.n_used <= b.budget + 1 for b in mem.layers)
+        assert all(b.n_used <= b.budget + 16 for b in mem.layers)  # snapkv evicts once per 16 decode steps
         assert h.n_active + h.n_host == n_layer * llm.n_tokens  # nothing dropped
         if "gap=0" in spec:  # twice at the end of each prompt (the document's and the question's)
             assert h.n_rerank == 4 * n_layer and h.n_promote > 0

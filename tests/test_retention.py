@@ -174,6 +174,27 @@ def test_h2o_budget_holds_during_decode(model_path):
         assert b.n_used <= 48 + 1
 
 
+def test_window_policies_evict_once_per_refresh_of_the_scores(model_path):
+    """snapkv with every=4: decode steps 0, 4, 8, ... (each one after an observing step) evict down to the budget,
+    the three steps between keep their new tokens beside it; the memory's buffers never grow."""
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=SnapKV(budget=48, every=4, chunk=16))
+    llm.eval(llm.tokenize((PROSE * 2).encode()))
+    before = llm.kv_memory()
+    used, evicted = [], []
+    for _ in range(12):
+        llm.eval([int(np.argmax(last_logits(llm)))])
+        m = llm.kv_memory()
+        used.append(max(b.n_used for b in m.layers))
+        evicted.append(m.n_evicted)
+        assert m.bytes == before.bytes
+    # step k holds the budget, then its token and those of the steps since the last eviction
+    assert used == [48 + 1 + k % 4 for k in range(12)]
+    # every layer evicts its excess at steps 4 and 8 (3 tokens + the one the step adds), nothing in between
+    steps = np.diff(evicted)
+    assert all(steps[k - 1] == 0 for k in range(1, 12) if k % 4 != 0)
+    assert steps[3] == steps[7] == N_LAYER * 4
+
+
 def needle_prompt(llm, essays, n_tokens, depth, number):
     needle = f"The special magic number for Lisbon is {number}."
     question = "\n\nWhat is the special magic number for Lisbon? The special magic number for Lisbon is"

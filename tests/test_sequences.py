@@ -57,7 +57,7 @@ def test_each_sequence_resolves_its_own_budget(model_path):
         mem = llm.kv_memory()
         assert mem.n_prompt == len(p)
         assert mem.budget == round(0.25*len(p))
-        assert all(layer.n_used <= layer.budget + 1 for layer in mem.layers)
+        assert all(layer.n_used <= layer.budget + 16 for layer in mem.layers)  # eviction once per 16 decode steps
     assert lib.llama_kvp_seq_select(llm._native_ctx(), 2) != 0
     assert "out of range" in last_error()
     llm.close()

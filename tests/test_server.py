@@ -96,7 +96,7 @@ def test_kv_stats_show_the_policy_bounding_memory(client, server):
     (m,) = kv_stats(server)
     assert m["loaded"] and m["policy"].startswith("entropy:") and m["budget"] == 64
     assert m["n_tokens"] > 300 and m["n_evicted"] > 0
-    assert all(row["n_used"] <= row["budget"] + 1 for row in m["layers"])
+    assert all(row["n_used"] <= row["budget"] + 16 for row in m["layers"])  # eviction once per 16 decode steps
     # every layer's buffers stay far below a full cache of n_ctx cells (2 * 3 KV heads * 64 dims * 2 bytes per cell)
     assert m["kv_bytes"] < 30 * 2048 * 768 / 3
     assert len(m["telemetry"]["entropy_per_layer"]) == 30
@@ -169,7 +169,7 @@ def test_concurrent_streaming_clients(server):
         t.join()
     assert errors == [] and sum(tokens) > 0
     (m,) = kv_stats(server)
-    assert all(row["n_used"] <= row["budget"] + 1 for row in m["layers"])
+    assert all(row["n_used"] <= row["budget"] + 16 for row in m["layers"])  # eviction once per 16 decode steps
 
 
 QUESTIONS = ["Tell me about the moon.", "What is 2+2? Explain.", "Write a haiku about rain."]

@@ -336,10 +336,15 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
         }
     }
 
-    // a decode step: the schedule may move tokens between the caches and the host tier first
+    // a decode step: the schedule may move tokens between the caches and the host tier first, and says whether the
+    // step evicts down to the budgets (the first step after a prompt always does)
+    bool evict_all = true;
     if (n_tokens > 1 || guiding) {
         n_since_prompt = 0;
     } else {
+        if (stage_schedule && st && n_since_prompt > 0) {
+            evict_all = stage_schedule->evict_step(policy, st->n_decode);
+        }
         if (stage_schedule) {
             stage_schedule->before_step(*this);
         }
@@ -352,7 +357,7 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
         const uint32_t n_used = llama_kvp_kv_access::n_used(*L.kv);
         const uint32_t cap    = capacity_for(L.budget);
         const uint32_t n_keep = std::min<uint32_t>(L.budget, (cap > n_tokens ? cap - n_tokens : 0));
-        if (n_used > n_keep) {
+        if (n_used > n_keep && (evict_all || n_used + n_tokens > cap)) {
             evict(i, n_keep);
         }
         if (cap != L.capacity) {
@@ -361,25 +366,73 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
     }
 }
 
+void llama_kvp_memory::cells_in_order(int32_t ikv, std::vector<llama_kvp_cell> & cells) {
+    auto & L = layers[ikv];
+    const llama_kv_cache & kv = *L.kv;
+    const uint32_t size = kv.get_size();
+    if (L.order_pos.size() != size) {
+        L.order.clear();
+        L.order_pos.assign(size, -1);
+    }
+    const auto by_pos = [](const llama_kvp_cell & a, const llama_kvp_cell & b) { return a.pos < b.pos; };
+
+    // the cells whose token has no entry: placed since the last eviction (or moved, or reloaded)
+    std::vector<llama_kvp_cell> fresh;
+    uint32_t n_known = 0;
+    for (uint32_t i = 0; i < size; ++i) {
+        const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
+        if (p < 0) {
+            continue;
+        }
+        if (L.order_pos[i] == p) {
+            n_known++;
+        } else {
+            fresh.push_back({ p, i, 0.0f });
+        }
+    }
+    // the entries still held, in their order; the others are dropped
+    cells.clear();
+    cells.reserve(n_known + fresh.size());
+    for (const auto & c : L.order) {
+        if (llama_kvp_kv_access::cell_pos(kv, c.idx) == c.pos) {
+            cells.push_back({ c.pos, c.idx, 0.0f });
+        } else if (L.order_pos[c.idx] == c.pos) {
+            L.order_pos[c.idx] = -1;
+        }
+    }
+    if (cells.size() == n_known) {
+        std::sort(fresh.begin(), fresh.end(), by_pos);
+        cells.insert(cells.end(), fresh.begin(), fresh.end());
+        std::inplace_merge(cells.begin(), cells.begin() + n_known, cells.end(), by_pos);
+    } else {
+        // entries out of step with the cells (not expected): sort the layer afresh
+        cells.clear();
+        for (uint32_t i = 0; i < size; ++i) {
+            const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
+            if (p >= 0) {
+                cells.push_back({ p, i, 0.0f });
+            }
+        }
+        std::sort(cells.begin(), cells.end(), by_pos);
+        L.order_pos.assign(size, -1);
+    }
+    for (const auto & c : cells) {
+        L.order_pos[c.idx] = c.pos;
+    }
+    L.order = cells;
+}
+
 void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     auto & L = layers[ikv];
     llama_kv_cache & kv = *L.kv;
 
     // the layer's tokens in position order
     std::vector<llama_kvp_cell> cells;
-    const uint32_t size = kv.get_size();
-    cells.reserve(size);
-    for (uint32_t i = 0; i < size; ++i) {
-        const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
-        if (p >= 0) {
-            cells.push_back({ p, i, 0.0f });
-        }
-    }
+    cells_in_order(ikv, cells);
     const uint32_t n = (uint32_t) cells.size();
     if (n <= n_keep) {
         return;
     }
-    std::sort(cells.begin(), cells.end(), [](const llama_kvp_cell & a, const llama_kvp_cell & b) { return a.pos < b.pos; });
 
     // protected tokens: the first n_sink and the last n_recent (the score stage decides how many)
     uint32_t n_sink   = 0;

@@ -46,6 +46,12 @@ struct llama_kvp_mem_layer {
     std::vector<float>     vnorm;
     std::vector<llama_pos> vnorm_pos;
 
+    // the layer's tokens in position order as of its last eviction, and by cell the position its entry holds (-1: no
+    // entry); the next eviction keeps the entries whose cell still holds that position and merges in the cells
+    // placed since, instead of sorting the whole layer at every decode step (llama_kvp_memory::cells_in_order)
+    std::vector<llama_kvp_cell> order;
+    std::vector<llama_pos>      order_pos;
+
     std::unique_ptr<llama_kvp_layer_state> fate;  // the fate stage's own state of this layer (nullptr: none)
     std::unique_ptr<llama_kvp_layer_state> sched; // the schedule stage's own state of this layer (nullptr: none)
 };
@@ -230,6 +236,9 @@ private:
 
     // reallocate one layer's cache with `size` cells, moving its tokens (and their scores)
     void resize(int32_t ikv, uint32_t size);
+
+    // the tokens of one layer in position order (score 0)
+    void cells_in_order(int32_t ikv, std::vector<llama_kvp_cell> & cells);
 
     // evict the lowest-value cells of one layer until n_keep remain
     void evict(int32_t ikv, uint32_t n_keep);

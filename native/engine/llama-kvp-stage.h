@@ -102,6 +102,10 @@ struct llama_kvp_schedule_stage : llama_kvp_stage {
     // does the single-token decode step number n_decode (0-based) refresh the scores
     virtual bool observe_step(const llama_kvp_policy & p, int32_t n_decode) const = 0;
 
+    // does the single-token decode step number n_decode (0-based) evict down to the budgets (a step without room
+    // evicts whatever this says)
+    virtual bool evict_step(const llama_kvp_policy & p, int32_t n_decode) const { (void) p; (void) n_decode; return true; }
+
     // before a single-token decode step, ahead of the budget's eviction: may move tokens between the layer caches
     // and the host tier (freeze)
     virtual void before_step(llama_kvp_memory & mem) const { (void) mem; }
