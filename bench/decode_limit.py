@@ -16,11 +16,12 @@ import argparse
 import time
 from typing import Dict, List
 
-import llama_cpp
 import numpy as np
 
 import pykvcache
 from pykvcache import Llama, corpus
+
+import llama_cpp  # noqa: E402  (after pykvcache, which points it at the patched libllama)
 
 
 def step(ctx, batch, tok: int, pos: int) -> float:
