@@ -5,7 +5,9 @@
 // (tiled path): KQ = Q K^T as a small GEMM, scale, softcap, mask, running max and sum, VKQ += softmax(KQ) V. Keys and
 // values of any type with to_float are converted to f32 one block at a time. With the probabilities asked for
 // (ggml_sparse_attn_ext_probs: every block), a task also keeps its rows' masked scores in the result's probability
-// slices and turns them into exp(s - max)/sum once its final max and sum are known.
+// slices and turns them into exp(s - max)/sum once its final max and sum are known. A single query row with its
+// probabilities (an observed decode step, F16 K and V) is split over the threads by cells instead, as flash
+// attention's split-KV path splits a single query.
 
 #include "ggml-sparse-attn.h"
 
@@ -63,6 +65,146 @@ static void ggml_sparse_attn_mad_f16(int64_t n, float * y, const ggml_fp16_t * x
 #endif
     for (; i < n; ++i) {
         y[i] += GGML_CPU_FP16_TO_FP32(x[i])*v;
+    }
+}
+
+// ALiBi slope of head ih (1 without max_bias)
+static float ggml_sparse_attn_ext_slope(float max_bias, int64_t n_head, int64_t ih) {
+    if (max_bias <= 0.0f) {
+        return 1.0f;
+    }
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) n_head));
+    const float m0 = powf(2.0f, -(max_bias       )/n_head_log2);
+    const float m1 = powf(2.0f, -(max_bias / 2.0f)/n_head_log2);
+    return ih < n_head_log2 ? powf(m0, ih + 1) : powf(m1, 2*(ih - n_head_log2) + 1);
+}
+
+// floats of a thread's scratch the split row path needs: Q in f32 and f16, VKQ, and per head its chunk's max, sum
+// and VKQ (read by the other threads after the barrier)
+static size_t ggml_sparse_attn_ext_split_scratch(const ggml_tensor * dst) {
+    const int64_t DK = dst->src[1]->ne[0];
+    const int64_t DV = dst->src[2]->ne[0];
+    return (size_t) (2*DK + DV + dst->src[0]->ne[2]*(2 + DV));
+}
+
+// one query row with the probabilities kept, F16 K and V, split over the threads by cells as flash attention splits
+// a single query (its split-KV path): each thread scores a contiguous chunk of cells for every head, so it reads
+// only its share of the layer's K and V and the 9 heads of SmolLM2 do not leave one of 2 threads idle; the chunks'
+// maxima, sums and partial outputs are then combined per head, and each thread turns its chunk's scores into
+// probabilities with the row's final max and sum. Measured against one task per head walking every cell (2-core
+// EPYC, ~1k cells): the per-head walk spent ~2.2x flash attention's time per dot (docs/NOTES.md, issue 11).
+static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * q     = dst->src[0];
+    const ggml_tensor * k     = dst->src[1];
+    const ggml_tensor * v     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[6];
+
+    const int64_t DK     = k->ne[0];
+    const int64_t DV     = v->ne[0];
+    const int64_t n_kv   = k->ne[1];
+    const int64_t n_head = q->ne[2];
+    const int     ith    = params->ith;
+    const int     nth    = params->nth;
+    const size_t  stride = ggml_sparse_attn_ext_scratch(dst);
+
+    float scale         = 1.0f;
+    float max_bias      = 0.0f;
+    float logit_softcap = 0.0f;
+    ggml_sparse_attn_ext_get_params(dst, &scale, &max_bias, &logit_softcap);
+    if (logit_softcap != 0.0f) {
+        scale /= logit_softcap;
+    }
+
+    const int64_t chunk = (n_kv + nth - 1)/nth;
+    const int64_t c0    = std::min<int64_t>(n_kv, ith*chunk);
+    const int64_t c1    = std::min<int64_t>(n_kv, c0 + chunk);
+
+    float       * wdata = (float *) params->wdata + ith*stride;
+    float       * Qf    = wdata;
+    ggml_fp16_t * Q16   = (ggml_fp16_t *) (Qf + DK);
+    float       * VKQ   = Qf + 2*DK;
+    float       * part  = VKQ + DV; // [n_head][max, sum, VKQ[DV]] of this thread's chunk
+
+    // the chunk's scores, max, sum and partial output, per head
+    for (int64_t ih = 0; ih < n_head; ++ih) {
+        const int64_t ik    = ih/(n_head/k->ne[2]);
+        const int64_t iv    = ih/(n_head/v->ne[2]);
+        const float   slope = ggml_sparse_attn_ext_slope(max_bias, n_head, ih);
+        float * P  = (float *) ((char *) dst->data + dst->nb[3]) + ih*n_kv;
+        float * ph = part + ih*(2 + DV);
+        float * VKQh = ph + 2;
+
+        memcpy(Qf, (const char *) q->data + ih*q->nb[2], DK*sizeof(float));
+        ggml_vec_scale_f32((int) DK, Qf, scale);
+        ggml_cpu_fp32_to_fp16(Qf, Q16, DK);
+
+        float m = -INFINITY;
+        for (int64_t c = c0; c < c1; ++c) {
+            const float mv = mask ? slope*GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) mask->data)[c]) : 0.0f;
+            if (mv == -INFINITY) {
+                P[c] = -INFINITY;
+                continue;
+            }
+            float sc = 0.0f;
+            ggml_vec_dot_f16((int) DK, &sc, 0, (ggml_fp16_t *) ((char *) k->data + c*k->nb[1] + ik*k->nb[2]), 0, Q16, 0, 1);
+            if (logit_softcap != 0.0f) {
+                sc = logit_softcap*tanhf(sc);
+            }
+            P[c] = sc + mv;
+            m = std::max(m, P[c]);
+        }
+        memset(VKQh, 0, DV*sizeof(float));
+        double sum = 0.0;
+        if (m != -INFINITY) {
+            sum = ggml_vec_soft_max_f32((int) (c1 - c0), P + c0, P + c0, m); // exp(s - m), 0 where masked
+            for (int64_t c = c0; c < c1; ++c) {
+                if (P[c] != 0.0f) {
+                    ggml_sparse_attn_mad_f16(DV, VKQh, (const ggml_fp16_t *) ((const char *) v->data + c*v->nb[1] + iv*v->nb[2]), P[c]);
+                }
+            }
+        } else {
+            for (int64_t c = c0; c < c1; ++c) {
+                P[c] = 0.0f;
+            }
+        }
+        ph[0] = m;
+        ph[1] = (float) sum;
+    }
+
+    ggml_barrier(params->threadpool);
+
+    // per head: the row's max and sum over the chunks (and the sink), this chunk's probabilities, and the output
+    // (heads shared out over the threads)
+    for (int64_t ih = 0; ih < n_head; ++ih) {
+        const float s_sink = sinks ? ((const float *) sinks->data)[ih] : -INFINITY;
+        float M = s_sink;
+        for (int t = 0; t < nth; ++t) {
+            M = std::max(M, ((const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV))[0]);
+        }
+        double S = sinks && M != -INFINITY ? expf(s_sink - M) : 0.0;
+        for (int t = 0; t < nth; ++t) {
+            const float * ph = (const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV);
+            if (ph[0] != -INFINITY) {
+                S += ph[1]*expf(ph[0] - M);
+            }
+        }
+        const float inv = S == 0.0 ? 0.0f : (float) (1.0/S);
+        const float * own = part + ih*(2 + DV);
+        float * P = (float *) ((char *) dst->data + dst->nb[3]) + ih*n_kv;
+        if (own[0] != -INFINITY) {
+            ggml_vec_scale_f32((int) (c1 - c0), P + c0, expf(own[0] - M)*inv);
+        }
+        if (ih % nth == ith) {
+            memset(VKQ, 0, DV*sizeof(float));
+            for (int t = 0; t < nth; ++t) {
+                const float * ph = (const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV);
+                if (ph[0] != -INFINITY) {
+                    ggml_vec_mad_f32((int) DV, VKQ, ph + 2, expf(ph[0] - M)*inv);
+                }
+            }
+            memcpy((char *) dst->data + ih*dst->nb[1], VKQ, DV*sizeof(float));
+        }
     }
 }
 
@@ -168,10 +310,7 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
         scale /= logit_softcap;
     }
 
-    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) n_head));
-    const float m0    = powf(2.0f, -(max_bias       )/n_head_log2);
-    const float m1    = powf(2.0f, -(max_bias / 2.0f)/n_head_log2);
-    const float slope = max_bias > 0.0f ? (ih < n_head_log2 ? powf(m0, ih + 1) : powf(m1, 2*(ih - n_head_log2) + 1)) : 1.0f;
+    const float slope = ggml_sparse_attn_ext_slope(max_bias, n_head, ih);
 
     const int64_t ik = ih/(n_head/k->ne[2]);
     const int64_t iv = ih/(n_head/v->ne[2]);
@@ -364,6 +503,15 @@ void ggml_compute_forward_sparse_attn_ext(const ggml_compute_params * params, gg
     const int nth = params->nth;
 
     float * wdata = (float *) params->wdata + ith*ggml_sparse_attn_ext_scratch(dst);
+
+    // a single query row with its probabilities (an observed decode step): split by cells over the threads
+    const ggml_tensor * v = dst->src[2];
+    if (ggml_sparse_attn_ext_has_probs(dst) && QB == 1 && q->ne[1] == 1 && q->ne[3] == 1 && nth > 1 &&
+        k->type == GGML_TYPE_F16 && v->type == GGML_TYPE_F16 && k->ne[1] >= 64*nth &&
+        ggml_sparse_attn_ext_split_scratch(dst) <= ggml_sparse_attn_ext_scratch(dst)) {
+        ggml_sparse_attn_ext_row_f16_split(params, dst);
+        return;
+    }
 
     if (ith == 0) {
         ggml_threadpool_chunk_set(params->threadpool, nth);
