@@ -68,6 +68,17 @@ static void ggml_sparse_attn_mad_f16(int64_t n, float * y, const ggml_fp16_t * x
     }
 }
 
+// the op's parameters, the scale divided by the softcap where there is one (scores are then softcap*tanh(q.k*scale))
+static void ggml_sparse_attn_ext_scales(const ggml_tensor * dst, float * scale, float * max_bias, float * logit_softcap) {
+    *scale         = 1.0f;
+    *max_bias      = 0.0f;
+    *logit_softcap = 0.0f;
+    ggml_sparse_attn_ext_get_params(dst, scale, max_bias, logit_softcap);
+    if (*logit_softcap != 0.0f) {
+        *scale /= *logit_softcap;
+    }
+}
+
 // ALiBi slope of head ih (1 without max_bias)
 static float ggml_sparse_attn_ext_slope(float max_bias, int64_t n_head, int64_t ih) {
     if (max_bias <= 0.0f) {
@@ -108,13 +119,8 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
     const int     nth    = params->nth;
     const size_t  stride = ggml_sparse_attn_ext_scratch(dst);
 
-    float scale         = 1.0f;
-    float max_bias      = 0.0f;
-    float logit_softcap = 0.0f;
-    ggml_sparse_attn_ext_get_params(dst, &scale, &max_bias, &logit_softcap);
-    if (logit_softcap != 0.0f) {
-        scale /= logit_softcap;
-    }
+    float scale, max_bias, logit_softcap;
+    ggml_sparse_attn_ext_scales(dst, &scale, &max_bias, &logit_softcap);
 
     const int64_t chunk = (n_kv + nth - 1)/nth;
     const int64_t c0    = std::min<int64_t>(n_kv, ith*chunk);
@@ -176,21 +182,24 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
 
     // per head: the row's max and sum over the chunks (and the sink), this chunk's probabilities, and the output
     // (heads shared out over the threads)
+    const auto part_of = [&](int t, int64_t ih) {
+        return (const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV);
+    };
     for (int64_t ih = 0; ih < n_head; ++ih) {
         const float s_sink = sinks ? ((const float *) sinks->data)[ih] : -INFINITY;
         float M = s_sink;
         for (int t = 0; t < nth; ++t) {
-            M = std::max(M, ((const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV))[0]);
+            M = std::max(M, part_of(t, ih)[0]);
         }
         double S = sinks && M != -INFINITY ? expf(s_sink - M) : 0.0;
         for (int t = 0; t < nth; ++t) {
-            const float * ph = (const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV);
+            const float * ph = part_of(t, ih);
             if (ph[0] != -INFINITY) {
                 S += ph[1]*expf(ph[0] - M);
             }
         }
         const float inv = S == 0.0 ? 0.0f : (float) (1.0/S);
-        const float * own = part + ih*(2 + DV);
+        const float * own = part_of(ith, ih);
         float * P = (float *) ((char *) dst->data + dst->nb[3]) + ih*n_kv;
         if (own[0] != -INFINITY) {
             ggml_vec_scale_f32((int) (c1 - c0), P + c0, expf(own[0] - M)*inv);
@@ -198,7 +207,7 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
         if (ih % nth == ith) {
             memset(VKQ, 0, DV*sizeof(float));
             for (int t = 0; t < nth; ++t) {
-                const float * ph = (const float *) params->wdata + t*stride + 2*DK + DV + ih*(2 + DV);
+                const float * ph = part_of(t, ih);
                 if (ph[0] != -INFINITY) {
                     ggml_vec_mad_f32((int) DV, VKQ, ph + 2, expf(ph[0] - M)*inv);
                 }
@@ -302,13 +311,8 @@ static void ggml_sparse_attn_ext_task(const ggml_compute_params * params, ggml_t
     const int64_t n_kb   = (n_kv + KB - 1)/KB;
     const int64_t n_list = blocks ? blocks->ne[0] : n_kb; // no list: every block
 
-    float scale         = 1.0f;
-    float max_bias      = 0.0f;
-    float logit_softcap = 0.0f;
-    ggml_sparse_attn_ext_get_params(dst, &scale, &max_bias, &logit_softcap);
-    if (logit_softcap != 0.0f) {
-        scale /= logit_softcap;
-    }
+    float scale, max_bias, logit_softcap;
+    ggml_sparse_attn_ext_scales(dst, &scale, &max_bias, &logit_softcap);
 
     const float slope = ggml_sparse_attn_ext_slope(max_bias, n_head, ih);
 
