@@ -110,7 +110,8 @@ def test_selection_matches_numpy(pool, pool_max, span_pool, topk_share, n_sink, 
     spec = (f"snapkv:pool={pool}+window:pool_max={pool_max},span_pool={span_pool},topk_share={topk_share},"
             f"n_sink={n_sink},n_recent={n_recent},fill={fill}")
     pol = parse_policy(spec)
-    for n, n_keep in ((300, 40), (1000, 100), (64, 64), (50, 70), (257, 33)):
+    # many leave (a prompt's chunk), or a few (a decode step: 1 to 16, ranked in one pass), or none
+    for n, n_keep in ((300, 40), (1000, 100), (64, 64), (50, 70), (257, 33), (300, 299), (120, 116), (257, 241), (100, 83)):
         # masses on a grid of 1/1024 so that sums are exact and both sides order ties the same way
         mass = (rng.integers(0, 64, n) * (rng.random(n) < 0.3)).astype(np.float32) / 1024
         got = select(pol, mass, n_keep)

@@ -188,6 +188,7 @@ struct llama_kvp_kv_access {
     static uint32_t n_stream(const llama_kv_cache & kv);
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
+    static void cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out); // cell_pos of cells [0, n)
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
     static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq); // an empty cell now holds pos of seq
 

@@ -376,41 +376,46 @@ void llama_kvp_memory::cells_in_order(int32_t ikv, std::vector<llama_kvp_cell> &
     }
     const auto by_pos = [](const llama_kvp_cell & a, const llama_kvp_cell & b) { return a.pos < b.pos; };
 
+    // the cells' positions, read once
+    std::vector<llama_pos> pos(size);
+    llama_kvp_kv_access::cell_positions(kv, size, pos.data());
+
     // the cells whose token has no entry: placed since the last eviction (or moved, or reloaded)
     std::vector<llama_kvp_cell> fresh;
     uint32_t n_known = 0;
     for (uint32_t i = 0; i < size; ++i) {
-        const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
-        if (p < 0) {
+        if (pos[i] < 0) {
             continue;
         }
-        if (L.order_pos[i] == p) {
+        if (L.order_pos[i] == pos[i]) {
             n_known++;
         } else {
-            fresh.push_back({ p, i, 0.0f });
+            fresh.push_back({ pos[i], i, 0.0f });
         }
     }
     // the entries still held, in their order; the others are dropped
-    cells.clear();
-    cells.reserve(n_known + fresh.size());
+    cells.resize(n_known + fresh.size());
+    size_t n_held = 0;
     for (const auto & c : L.order) {
-        if (llama_kvp_kv_access::cell_pos(kv, c.idx) == c.pos) {
-            cells.push_back({ c.pos, c.idx, 0.0f });
+        if (pos[c.idx] == c.pos) {
+            if (n_held < n_known) {
+                cells[n_held] = { c.pos, c.idx, 0.0f };
+            }
+            n_held++;
         } else if (L.order_pos[c.idx] == c.pos) {
             L.order_pos[c.idx] = -1;
         }
     }
-    if (cells.size() == n_known) {
+    if (n_held == n_known) {
         std::sort(fresh.begin(), fresh.end(), by_pos);
-        cells.insert(cells.end(), fresh.begin(), fresh.end());
+        std::copy(fresh.begin(), fresh.end(), cells.begin() + n_known);
         std::inplace_merge(cells.begin(), cells.begin() + n_known, cells.end(), by_pos);
     } else {
         // entries out of step with the cells (not expected): sort the layer afresh
         cells.clear();
         for (uint32_t i = 0; i < size; ++i) {
-            const llama_pos p = llama_kvp_kv_access::cell_pos(kv, i);
-            if (p >= 0) {
-                cells.push_back({ p, i, 0.0f });
+            if (pos[i] >= 0) {
+                cells.push_back({ pos[i], i, 0.0f });
             }
         }
         std::sort(cells.begin(), cells.end(), by_pos);

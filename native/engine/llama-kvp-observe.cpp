@@ -72,6 +72,13 @@ llama_pos llama_kvp_kv_access::cell_pos(const llama_kv_cache & kv, uint32_t i) {
     return kv.v_cells[0].is_empty(i) ? -1 : kv.v_cells[0].pos_get(i);
 }
 
+void llama_kvp_kv_access::cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out) {
+    const auto & cells = kv.v_cells[0];
+    for (uint32_t i = 0; i < n; ++i) {
+        out[i] = cells.is_empty(i) ? -1 : cells.pos_get(i);
+    }
+}
+
 void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
     kv.v_cells[0].rm(i);
 }
@@ -554,6 +561,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
 
     // rows written by this step, and the step from which each cell of those layers holds its token
     if (!rows_one.empty() || !rows_all.empty()) {
+        std::vector<llama_pos> pos_now;
         const int32_t now  = st->n_steps;
         const int32_t slot = (int32_t) (ubatch->pos[n_tokens - 1] % W);
         for (const auto * list : { &rows_one, &rows_all }) {
@@ -566,10 +574,11 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
                 }
                 const llama_kv_cache * kv = st->layer_kv(ikv);
                 const uint32_t size = std::min<uint32_t>(kv->get_size(), (uint32_t) L.n_cells);
+                pos_now.resize(size);
+                llama_kvp_kv_access::cell_positions(*kv, size, pos_now.data());
                 for (uint32_t j = 0; j < size; ++j) {
-                    const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, j);
-                    if (p != L.cell_pos_row[j]) {
-                        L.cell_pos_row[j] = p;
+                    if (pos_now[j] != L.cell_pos_row[j]) {
+                        L.cell_pos_row[j] = pos_now[j];
                         L.cell_step[j]    = now;
                     }
                 }
@@ -617,10 +626,10 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
 
         // positions of the cells, read once (-1: empty)
         pos.resize(n_kv);
+        llama_kvp_kv_access::cell_positions(*c.kv, (uint32_t) n_kv, pos.data());
         int64_t j_any = -1; // a non-empty cell, the single visible cell of the invalid (weight 0) rows
-        for (int64_t j = 0; j < n_kv; ++j) {
-            pos[j] = llama_kvp_kv_access::cell_pos(*c.kv, (uint32_t) j);
-            if (j_any < 0 && pos[j] >= 0) {
+        for (int64_t j = 0; j < n_kv && j_any < 0; ++j) {
+            if (pos[j] >= 0) {
                 j_any = j;
             }
         }

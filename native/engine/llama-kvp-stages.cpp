@@ -202,16 +202,51 @@ void llama_kvp_clamp_protected(uint32_t n_keep, uint32_t & n_sink, uint32_t & n_
 }
 
 std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & cells, uint32_t i0, uint32_t i1, uint32_t n_topk) {
-    std::vector<uint32_t> mid;
-    for (uint32_t j = i0; j < i1; ++j) {
-        mid.push_back(j);
+    // a before b: the better score, the newer token on ties (a strict order, so the leavers are one set)
+    const auto better = [&](uint32_t a, uint32_t b) {
+        return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
+    };
+    const uint32_t n_mid = i1 > i0 ? i1 - i0 : 0;
+    std::vector<uint32_t> mid(n_mid);
+    for (uint32_t j = 0; j < n_mid; ++j) {
+        mid[j] = i0 + j;
     }
-    if (n_topk < mid.size()) {
-        std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), [&](uint32_t a, uint32_t b) {
-            return cells[a].score != cells[b].score ? cells[a].score > cells[b].score : cells[a].pos > cells[b].pos;
-        });
+    if (n_topk >= n_mid) {
+        return mid;
+    }
+    const uint32_t n_leave = n_mid - n_topk;
+    if (n_leave > 16) {
+        std::nth_element(mid.begin(), mid.begin() + n_topk, mid.end(), better);
         std::sort(mid.begin() + n_topk, mid.end());
+        return mid;
     }
+    // few leave (a decode step): one pass that keeps the n_leave worst, the best of them first
+    std::vector<uint32_t> worst;
+    worst.reserve(n_leave + 1);
+    for (uint32_t j = i0; j < i1; ++j) {
+        if (worst.size() == n_leave && !better(worst[0], j)) {
+            continue;
+        }
+        if (worst.size() == n_leave) {
+            worst.erase(worst.begin());
+        }
+        auto it = worst.begin();
+        while (it != worst.end() && better(*it, j)) {
+            ++it;
+        }
+        worst.insert(it, j);
+    }
+    std::sort(worst.begin(), worst.end());
+    uint32_t k = 0;
+    uint32_t w = 0;
+    for (uint32_t j = i0; j < i1; ++j) {
+        if (w < n_leave && worst[w] == j) {
+            w++;
+        } else {
+            mid[k++] = j;
+        }
+    }
+    std::copy(worst.begin(), worst.end(), mid.begin() + n_topk);
     return mid;
 }
 
