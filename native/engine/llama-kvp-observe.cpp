@@ -442,7 +442,11 @@ bool llama_kvp_context::want_obs(const llama_ubatch & ubatch, size_t n_ubatches)
 
 bool llama_kvp_context::want_entropy(bool obs, const llama_ubatch & ubatch, size_t n_ubatches) const {
     // budgets and telemetry need it; the decode steps of a retention policy only refresh the scores (the mass),
-    // unless an observation was asked for
+    // unless an observation was asked for; a guided chunk too, unless the budgets follow the entropy: telemetry
+    // reads the prompt's last ubatch's, which is never a guided chunk
+    if (mem && mem->guiding && !(mem->stage_budget && mem->stage_budget->uses_entropy())) {
+        return false;
+    }
     return obs && (!mem || ubatch.n_tokens > 1 || n_ubatches > 1 || obs_requested);
 }
 
