@@ -2,11 +2,10 @@
 
     python bench/decode_limit.py [-m MODEL] [-p 8192] [-n 256] [-t 2] [--policies "snapkv:budget=0.1;entropy:budget=0.1"]
 
-kvbench measures each policy, then the limits, one after the other: on a shared or throttled machine a slow minute
-lands on one row and moves its ratio by 10% or more. Here every policy context gets the prompt (the essays'
-tokens), the limit context of each policy (the full cache prefilled with as many tokens as the policy's mean layer
-budget) is prefilled too, and then decode step i runs in every context in turn, with the same token: a slow moment
-costs all of them alike. Prints per context the mean and median step time, tokens/s and `x limit` (its limit's
+kvbench alternates the decode steps of each policy with those of its limit, but measures the policies one after the
+other. Here every policy context gets the prompt (the essays' tokens), the limit context of each policy (the full
+cache prefilled with as many tokens as the policy's mean layer budget) is prefilled too, and then decode step i runs
+in every context in turn, with the same token: a slow moment costs all of them alike, so the rows compare too. Prints per context the mean and median step time, tokens/s and `x limit` (its limit's
 mean step time over its own; the median ratio beside it).
 """
 

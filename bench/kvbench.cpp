@@ -89,11 +89,14 @@ struct kvbench_result {
     int32_t per_layer = 0; // llama_kvp_memory_info after the test: 1 for a retention policy (one KV cache per layer)
     int32_t budget    = 0; // its resolved mean budget per layer (tokens)
 
-    // physical limit: the full cache decoding n_gen tokens at depth limit_depth (0: none)
-    int32_t limit_depth    = 0;
-    double  limit_tg_ts    = 0.0;
-    double  limit_tg_ts_sd = 0.0;
-    double  tg_limit_ratio = 0.0; // tg t/s / limit_tg_ts
+    // physical limit: the full cache decoding n_gen tokens at depth limit_depth (0: none), its steps alternating
+    // with the row's own decode steps
+    int32_t             limit_depth    = 0;
+    double              limit_tg_ts    = 0.0;
+    double              limit_tg_ts_sd = 0.0;
+    double              tg_limit_ratio = 0.0; // tg t/s / limit_tg_ts
+    std::vector<double> lim_tg_ts;            // the limit's tg t/s, one per repetition
+    std::vector<double> lim_step_t;           // the limit's decode steps (s)
 };
 
 static void kvbench_usage(const char * argv0) {
@@ -128,8 +131,10 @@ static void kvbench_usage(const char * argv0) {
     printf("beyond the median plain step of the policy; if every step observes, beyond the median step of its physical limit,\n");
     printf("or of full with --no-limit), and ratios to full.\n");
     printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
-    printf("cache's decode speed at depth B (B tokens prefilled untimed, then n-gen tokens timed one by one, once per (B, n)\n");
-    printf("in the run): `limit:d=B` rows (md; \"limits\" in json) and `x limit` = tg t/s / the limit's tg t/s.\n");
+    printf("cache's decode speed at depth B: after the policy's prompt, B tokens are prefilled untimed in the full cache's\n");
+    printf("context, then its decode steps alternate with the policy's (same token), so that a slow moment of the machine\n");
+    printf("costs both alike; `x limit` = tg t/s / the tg t/s of those limit steps; `limit:d=B` rows (md; \"limits\" in\n");
+    printf("json) pool every policy's limit steps at that depth.\n");
     printf("host tier (a policy with +host): its peak bytes (not in KV MiB) and its token moves per repetition, all layers:\n");
     printf("frozen, evicted to host, thawed, dropped for good, latent re-ranks, promoted; recovery ladder events (md: a second table).\n");
 
@@ -381,8 +386,34 @@ static int32_t kvbench_n_obs(llama_context * ctx) {
     return info.n_obs;
 }
 
+// depth of the physical limit of a policy with memory info mi: its mean layer budget, at most the tokens it has before
+// decoding (-1: none)
+static int32_t kvbench_limit_depth_of(const struct llama_kvp_memory_info & mi, int32_t n_before) {
+    if (mi.per_layer != 1) {
+        return -1;
+    }
+    return std::min(mi.budget, n_before);
+}
+
+// one single-token decode step of seq 0; its wall time (s), the logits read
+static double kvbench_step(llama_context * ctx, llama_batch & batch, llama_token tok, llama_pos pos) {
+    batch.n_tokens     = 1;
+    batch.token[0]     = tok;
+    batch.pos[0]       = pos;
+    batch.n_seq_id[0]  = 1;
+    batch.seq_id[0][0] = 0;
+    batch.logits[0]    = 1;
+    const double t0 = kvbench_now();
+    if (llama_decode(ctx, batch) != 0) {
+        throw std::runtime_error("llama_decode failed at position " + std::to_string(pos) + " (physical limit)");
+    }
+    llama_synchronize(ctx);
+    return kvbench_now() - t0;
+}
+
+// ctx_lim: the full cache's context for the physical limit, whose steps alternate with this row's (nullptr: none)
 static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, const std::vector<llama_token> & tokens,
-                             const kvbench_params & params, kvbench_result & r) {
+                             const kvbench_params & params, kvbench_result & r, llama_context * ctx_lim) {
     const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
     const int32_t n_vocab = llama_vocab_n_tokens(vocab);
     const llama_kvp_policy_desc desc = kvbench_describe(pol);
@@ -423,6 +454,22 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         }
         if (r.n_gen > 0) {
             llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
+            // the physical limit: the full cache prefilled (untimed) with as many tokens as the mean layer budget
+            int32_t d_lim = -1;
+            if (ctx_lim && retains) {
+                struct llama_kvp_memory_info mi = {};
+                llama_kvp_memory_info(ctx, &mi);
+                d_lim = kvbench_limit_depth_of(mi, r.n_depth + r.n_prompt);
+                if (d_lim >= 0) {
+                    llama_memory_clear(llama_get_memory(ctx_lim), true);
+                    kvbench_prefill(ctx_lim, tokens.data(), d_lim, 0, params.n_batch, false);
+                    llama_synchronize(ctx_lim);
+                    r.limit_depth = d_lim;
+                }
+            }
+            llama_batch batch_lim = llama_batch_init(1, 0, 1);
+            int32_t n_lim = 0;
+            double t_lim = 0.0;
             llama_batch batch = llama_batch_init(1, 0, 1);
             double t_gen = 0.0;
             // the freeze schedule's recovery ladder sees every step's distribution; a Rewalk re-decodes the last
@@ -465,6 +512,18 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                 t_gen += dt;
                 step_t.push_back(dt);
                 step_obs.push_back(kvbench_n_obs(ctx) > n_obs0);
+                if (d_lim >= 0 && n_lim < r.n_gen) {
+                    try {
+                        const double dl = kvbench_step(ctx_lim, batch_lim, tok, d_lim + n_lim);
+                        t_lim += dl;
+                        r.lim_step_t.push_back(dl);
+                        n_lim++;
+                    } catch (...) {
+                        llama_batch_free(batch);
+                        llama_batch_free(batch_lim);
+                        throw;
+                    }
+                }
                 if (back >= 0) {
                     tok = fed[back];
                     fed.resize(back);
@@ -472,7 +531,11 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                 }
             }
             llama_batch_free(batch);
+            llama_batch_free(batch_lim);
             r.tg_ts.push_back(r.n_gen/t_gen);
+            if (n_lim > 0) {
+                r.lim_tg_ts.push_back(n_lim/t_lim);
+            }
         }
     }
 
@@ -538,41 +601,39 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     llama_kvp_clear_error();
 }
 
-// depth of the physical limit of a row: its mean layer budget, at most the tokens it has before decoding (-1: none)
-static int32_t kvbench_limit_depth(const kvbench_result & r) {
-    if (r.per_layer != 1 || r.n_gen <= 0) {
-        return -1;
+// the physical limits, one row per (depth, n_gen): every row's limit steps at that depth, pooled
+static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench_result> & rows) {
+    std::vector<kvbench_result> limits;
+    for (const auto & row : rows) {
+        if (row.lim_tg_ts.empty()) {
+            continue;
+        }
+        kvbench_result * l = nullptr;
+        for (auto & x : limits) {
+            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen) ? &x : l;
+        }
+        if (!l) {
+            limits.emplace_back();
+            l = &limits.back();
+            l->policy   = "full";
+            l->label    = "limit:d=" + std::to_string(row.limit_depth);
+            l->spec     = "full";
+            l->n_gen    = row.n_gen;
+            l->n_depth  = row.limit_depth;
+        }
+        l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
+        l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
     }
-    return std::min(r.budget, r.n_depth + r.n_prompt);
+    return limits;
 }
 
-// measures, with the full cache's context, the physical limits of rows[i0..] not measured yet (once per (depth, n_gen))
-static void kvbench_run_limits(llama_context * ctx_full, const std::vector<kvbench_result> & rows, size_t i0,
-                               const std::vector<llama_token> & tokens, const kvbench_params & params, std::vector<kvbench_result> & limits) {
-    const llama_kvp_policy pol = llama_kvp_policy_default(LLAMA_KVP_POLICY_NONE);
-    for (size_t i = i0; i < rows.size(); ++i) {
-        const kvbench_result & row = rows[i];
-        const int32_t d = kvbench_limit_depth(row);
-        if (d < 0) {
-            continue;
-        }
-        bool done = false;
-        for (const auto & l : limits) {
-            done = done || (l.n_depth == d && l.n_gen == row.n_gen);
-        }
-        if (done) {
-            continue;
-        }
-        kvbench_result l;
-        l.policy   = "full";
-        l.label    = "limit:d=" + std::to_string(d);
-        l.spec     = "full";
-        l.n_prompt = 0;
-        l.n_gen    = row.n_gen;
-        l.n_depth  = d;
-        kvbench_run_test(ctx_full, pol, tokens, params, l);
-        limits.push_back(std::move(l));
+// median of the steps (s), 0 if none
+static double kvbench_median(std::vector<double> v) {
+    if (v.empty()) {
+        return 0.0;
     }
+    std::nth_element(v.begin(), v.begin() + v.size()/2, v.end());
+    return v[v.size()/2];
 }
 
 //
@@ -619,8 +680,10 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     printf("     \"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
            " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",\n",
             r.host ? "true" : "false", r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
-    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"tg_limit_ratio\": %.6f, \"density\": %.4f}%s\n",
-            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, r.tg_limit_ratio, r.density, last ? "" : ",");
+    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %.6f,"
+           " \"density\": %.4f}%s\n",
+            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, kvbench_json_list(r.lim_tg_ts).c_str(), r.tg_limit_ratio, r.density,
+            last ? "" : ",");
 }
 
 // limits: the physical limit measurements (full cache at depth B), after the rows
@@ -794,7 +857,6 @@ int main(int argc, char ** argv) {
     }
 
     std::vector<kvbench_result> results;
-    std::vector<kvbench_result> limits;    // physical limits, one per (depth, n_gen)
     llama_context * ctx_full = nullptr;    // the full cache's context, kept for the limits
     int rc = 0;
     for (const auto & kp : pols) {
@@ -819,7 +881,6 @@ int main(int argc, char ** argv) {
             rc = 1;
             break;
         }
-        const size_t i_first = results.size();
         try {
             for (int32_t d : params.n_depth) {
                 for (int32_t p : params.n_prompt) {
@@ -831,7 +892,7 @@ int main(int argc, char ** argv) {
                         r.n_prompt = p;
                         r.n_gen    = g;
                         r.n_depth  = d;
-                        kvbench_run_test(ctx, pol, tokens, params, r);
+                        kvbench_run_test(ctx, pol, tokens, params, r, kvbench_is_full(pol) ? nullptr : ctx_full);
                         results.push_back(std::move(r));
                     }
                 }
@@ -844,15 +905,6 @@ int main(int argc, char ** argv) {
             ctx_full = ctx;
         } else {
             llama_free(ctx);
-        }
-        if (rc == 0 && ctx_full) {
-            // right after the policy's rows, on the same machine state
-            try {
-                kvbench_run_limits(ctx_full, results, i_first, tokens, params, limits);
-            } catch (const std::exception & e) {
-                fprintf(stderr, "kvbench: physical limit of %s: %s\n", name.c_str(), e.what());
-                rc = 1;
-            }
         }
         if (rc != 0) {
             break;
@@ -891,29 +943,27 @@ int main(int argc, char ** argv) {
             break;
         }
     }
-    // ratios to the physical limit (the full cache at depth B)
+    // ratios to the physical limit (the full cache at depth B, its steps alternating with the row's)
     for (auto & r : results) {
-        const int32_t d = kvbench_limit_depth(r);
-        for (const auto & l : limits) {
-            if (d < 0 || l.n_depth != d || l.n_gen != r.n_gen) {
-                continue;
+        if (r.lim_tg_ts.empty()) {
+            r.limit_depth = 0;
+            continue;
+        }
+        double tg, sd;
+        kvbench_mean_sd(r.tg_ts, tg, sd);
+        kvbench_mean_sd(r.lim_tg_ts, r.limit_tg_ts, r.limit_tg_ts_sd);
+        r.tg_limit_ratio = r.limit_tg_ts > 0 ? tg/r.limit_tg_ts : 0.0;
+        // a policy that observes every step: its overhead is measured against the limit's median step
+        const double t_lim = kvbench_median(r.lim_step_t);
+        if (r.t_plain <= 0.0 && t_lim > 0.0 && !r.t_obs_steps.empty()) {
+            double extra = 0.0;
+            for (double t : r.t_obs_steps) {
+                extra += std::max(0.0, t - t_lim);
             }
-            double tg, sd;
-            kvbench_mean_sd(r.tg_ts, tg, sd);
-            r.limit_depth = d;
-            kvbench_mean_sd(l.tg_ts, r.limit_tg_ts, r.limit_tg_ts_sd);
-            r.tg_limit_ratio = r.limit_tg_ts > 0 ? tg/r.limit_tg_ts : 0.0;
-            // a policy that observes every step: its overhead is measured against the limit's step (same depth)
-            if (r.t_plain <= 0.0 && l.t_plain > 0.0 && !r.t_obs_steps.empty()) {
-                double extra = 0.0;
-                for (double t : r.t_obs_steps) {
-                    extra += std::max(0.0, t - l.t_plain);
-                }
-                r.obs_overhead = r.t_gen > 0.0 ? extra/r.t_gen : 0.0;
-            }
-            break;
+            r.obs_overhead = r.t_gen > 0.0 ? extra/r.t_gen : 0.0;
         }
     }
+    const std::vector<kvbench_result> limits = kvbench_pool_limits(results);
     kvbench_print(params, params.model, results, limits);
     return 0;
 }

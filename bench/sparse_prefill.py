@@ -67,7 +67,7 @@ def needles(spec: Optional[str], cases: List[Dict[str, Any]], threads: int) -> L
         llm = make(spec, len(c["tokens"]) + 16, threads)
         llm.eval(c["tokens"])
         out = []
-        for _ in range(6):
+        for _ in range(c["n_answer"]):
             tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
             out.append(tok)
             llm.eval([tok])
@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--policies", default="none+sparse", help="'|'-separated sparse policies (specs)")
     ap.add_argument("--needle-lengths", default="4096", help="comma-separated needle prompt lengths ('' for none)")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="comma-separated needle depths")
+    ap.add_argument("--seed", type=int, default=1234, help="seed of the needles' values (default: 1234)")
+    ap.add_argument("--needles", choices=("classic", "varied"), default="classic",
+                    help="needle kind, as in `pykvcache eval` (default: classic)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-o", "--output", default=None, help="JSON file for the results")
     args = ap.parse_args()
@@ -126,7 +129,7 @@ def main() -> None:
             print("  " + json.dumps(results["rows"][-1]), flush=True)
     depths = [float(x) for x in args.depths.split(",") if x]
     for n in [int(x) for x in args.needle_lengths.split(",") if x]:
-        cases = needle_cases(tok, text, n, depths, seed=1234)
+        cases = needle_cases(tok, text, n, depths, seed=args.seed, kind=args.needles)
         for spec in [None] + specs:
             print(f"sparse_prefill: needles {n} tokens, {spec or 'dense'}", flush=True)
             hits = needles(spec, cases, args.threads)

@@ -58,7 +58,8 @@ def test_kvbench_tiny_run_emits_valid_json_with_every_field(model_path):
 
 
 def test_kvbench_measures_the_physical_limit(model_path):
-    """The full cache at the depth of each policy's mean layer budget, in the same run, and x limit in every format."""
+    """The full cache at the depth of each policy's mean layer budget, its steps alternating with the policy's, and x
+    limit in every format."""
     args = ["-p", "128", "-n", "4", "-r", "1", "-t", "2", "--policy", "sink_recent:n_sink=4,n_recent=60",
             "--policy", "snapkv:budget=64,chunk=32+entropy", "--policy", "h2o:budget=0.5,n_recent=8,chunk=32"]
     out = json.loads(kvbench(*args, "-o", "json", model_path=model_path).stdout)
@@ -71,8 +72,12 @@ def test_kvbench_measures_the_physical_limit(model_path):
                   "h2o:budget=0.5,n_recent=8,chunk=32"):
         r = rows[label]
         assert r["limit_depth"] == 64
-        # from the unrounded samples: on a loaded machine t/s can be small enough for the printed means to round
-        assert r["tg_limit_ratio"] == pytest.approx(np.mean(r["tg_samples"]) / np.mean(lim["tg_samples"]), rel=1e-3)
+        # its own limit steps, one figure per repetition; from the unrounded samples: on a loaded machine t/s can be
+        # small enough for the printed means to round
+        assert len(r["limit_tg_samples"]) == 1 and r["limit_tg_samples"][0] > 0
+        assert r["tg_limit_ratio"] == pytest.approx(np.mean(r["tg_samples"]) / np.mean(r["limit_tg_samples"]), rel=1e-3)
+    # the limit row pools the policies' limit steps at its depth
+    assert sorted(lim["tg_samples"]) == sorted(s for r in out["results"] for s in r["limit_tg_samples"])
     assert rows["h2o:budget=0.5,n_recent=8,chunk=32"]["n_obs_steps"] == 4  # every step observes
 
     md = kvbench(*args, model_path=model_path).stdout
