@@ -128,8 +128,8 @@ static void kvbench_usage(const char * argv0) {
     printf("  -v, --verbose             show llama.cpp's log\n");
     printf("\nfigures: pp t/s and tg t/s (mean and sd over repetitions), KV bytes per layer and in total and their peak\n");
     printf("(from the ggml buffers), evicted cells per repetition, observation overhead (share of decode time that observing steps take\n");
-    printf("beyond the median plain step of the policy; if every step observes, beyond the median step of its physical limit,\n");
-    printf("or of full with --no-limit), and ratios to full.\n");
+    printf("beyond the median plain step of the policy; if every step observes, beyond its physical limit's steps, taken at the\n");
+    printf("same moments, or beyond the median step of full with --no-limit), and ratios to full.\n");
     printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
     printf("cache's decode speed at depth B: after the policy's prompt, B tokens are prefilled untimed in the full cache's\n");
     printf("context, then its decode steps alternate with the policy's (same token), so that a slow moment of the machine\n");
@@ -627,15 +627,6 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
     return limits;
 }
 
-// median of the steps (s), 0 if none
-static double kvbench_median(std::vector<double> v) {
-    if (v.empty()) {
-        return 0.0;
-    }
-    std::nth_element(v.begin(), v.begin() + v.size()/2, v.end());
-    return v[v.size()/2];
-}
-
 //
 // output
 //
@@ -953,14 +944,17 @@ int main(int argc, char ** argv) {
         kvbench_mean_sd(r.tg_ts, tg, sd);
         kvbench_mean_sd(r.lim_tg_ts, r.limit_tg_ts, r.limit_tg_ts_sd);
         r.tg_limit_ratio = r.limit_tg_ts > 0 ? tg/r.limit_tg_ts : 0.0;
-        // a policy that observes every step: its overhead is measured against the limit's median step
-        const double t_lim = kvbench_median(r.lim_step_t);
-        if (r.t_plain <= 0.0 && t_lim > 0.0 && !r.t_obs_steps.empty()) {
-            double extra = 0.0;
-            for (double t : r.t_obs_steps) {
-                extra += std::max(0.0, t - t_lim);
-            }
-            r.obs_overhead = r.t_gen > 0.0 ? extra/r.t_gen : 0.0;
+        // a policy that observes every step: its overhead is the share of its decode time beyond the limit's steps,
+        // taken at the same moments (mean step against mean step: a step that rewalks adds to the policy's count)
+        double t_lim = 0.0;
+        for (double t : r.lim_step_t) {
+            t_lim += t;
+        }
+        const size_t n_steps = r.t_obs_steps.size();
+        if (r.t_plain <= 0.0 && t_lim > 0.0 && n_steps > 0 && r.t_gen > 0.0) {
+            const double mean_lim = t_lim/r.lim_step_t.size();
+            const double mean_obs = r.t_gen/n_steps;
+            r.obs_overhead = std::max(0.0, 1.0 - mean_lim/mean_obs);
         }
     }
     const std::vector<kvbench_result> limits = kvbench_pool_limits(results);

@@ -99,7 +99,8 @@ def limits_line(bench: Dict[str, Any]) -> str:
     """The physical-limit references of the run, one per depth."""
     refs = [f"depth {x['n_depth']}: {x['tg_ts']:.1f} ± {x['tg_ts_sd']:.1f} t/s"
             for x in bench.get("limits", [])]
-    return "Physical limit (the full cache decoding at the depth of a policy's mean layer budget, same run): " + (
+    return ("Physical limit (the full cache decoding at the depth of a policy's mean layer budget, its steps alternating "
+            "with the policy's; pooled over the policies at that depth): ") + (
         "; ".join(refs) if refs else "not measured") + "."
 
 
