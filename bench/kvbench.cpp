@@ -395,7 +395,7 @@ static int32_t kvbench_limit_depth_of(const struct llama_kvp_memory_info & mi, i
     return std::min(mi.budget, n_before);
 }
 
-// one single-token decode step of seq 0; its wall time (s), the logits read
+// one single-token decode step of seq 0 at pos, complete when it returns; its wall time (s)
 static double kvbench_step(llama_context * ctx, llama_batch & batch, llama_token tok, llama_pos pos) {
     batch.n_tokens     = 1;
     batch.token[0]     = tok;
@@ -405,7 +405,7 @@ static double kvbench_step(llama_context * ctx, llama_batch & batch, llama_token
     batch.logits[0]    = 1;
     const double t0 = kvbench_now();
     if (llama_decode(ctx, batch) != 0) {
-        throw std::runtime_error("llama_decode failed at position " + std::to_string(pos) + " (physical limit)");
+        throw std::runtime_error("llama_decode failed at position " + std::to_string(pos));
     }
     llama_synchronize(ctx);
     return kvbench_now() - t0;
@@ -477,58 +477,48 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             const bool ladder = pol.stage[LLAMA_KVP_SLOT_SCHEDULE] == LLAMA_KVP_SCHEDULE_FREEZE && pol.z > 0.0f;
             std::vector<llama_token> fed;
             int32_t n_rewalk = 0;
-            for (int32_t i = 0; i < r.n_gen; ++i) {
-                fed.push_back(tok);
-                batch.n_tokens     = 1;
-                batch.token[0]     = tok;
-                batch.pos[0]       = r.n_depth + r.n_prompt + i;
-                batch.n_seq_id[0]  = 1;
-                batch.seq_id[0][0] = 0;
-                batch.logits[0]    = 1;
-                const int32_t n_obs0 = kvbench_n_obs(ctx);
-                const double t0 = kvbench_now();
-                if (llama_decode(ctx, batch) != 0) {
-                    llama_batch_free(batch);
-                    throw std::runtime_error("llama_decode failed at decode step " + std::to_string(i));
-                }
-                tok = kvbench_argmax(ctx, n_vocab); // reads the logits: the step is complete
-                int32_t back = -1;
-                if (ladder) {
-                    const int32_t lvl = llama_kvp_recover_step(ctx, llama_get_logits_ith(ctx, -1), n_vocab);
-                    if (lvl < 0) {
-                        llama_batch_free(batch);
-                        throw std::runtime_error(llama_kvp_last_error());
+            try {
+                for (int32_t i = 0; i < r.n_gen; ++i) {
+                    fed.push_back(tok);
+                    const int32_t n_obs0 = kvbench_n_obs(ctx);
+                    const double t0 = kvbench_now();
+                    kvbench_step(ctx, batch, tok, r.n_depth + r.n_prompt + i);
+                    tok = kvbench_argmax(ctx, n_vocab);
+                    int32_t back = -1;
+                    if (ladder) {
+                        const int32_t lvl = llama_kvp_recover_step(ctx, llama_get_logits_ith(ctx, -1), n_vocab);
+                        if (lvl < 0) {
+                            throw std::runtime_error(llama_kvp_last_error());
+                        }
+                        if (lvl > 0) {
+                            r.n_recover[lvl - 1]++;
+                        }
+                        if (lvl == 4 && pol.rewalk > 0 && i >= pol.rewalk && n_rewalk < 16) {
+                            back = i - pol.rewalk; // decode step back..i again, from the token fed at step back
+                            llama_memory_seq_rm(llama_get_memory(ctx), 0, r.n_depth + r.n_prompt + back, -1);
+                            n_rewalk++;
+                        }
                     }
-                    if (lvl > 0) {
-                        r.n_recover[lvl - 1]++;
-                    }
-                    if (lvl == 4 && pol.rewalk > 0 && i >= pol.rewalk && n_rewalk < 16) {
-                        back = i - pol.rewalk; // decode step back..i again, from the token fed at step back
-                        llama_memory_seq_rm(llama_get_memory(ctx), 0, r.n_depth + r.n_prompt + back, -1);
-                        n_rewalk++;
-                    }
-                }
-                const double dt = kvbench_now() - t0;
-                t_gen += dt;
-                step_t.push_back(dt);
-                step_obs.push_back(kvbench_n_obs(ctx) > n_obs0);
-                if (d_lim >= 0 && n_lim < r.n_gen) {
-                    try {
+                    const double dt = kvbench_now() - t0;
+                    t_gen += dt;
+                    step_t.push_back(dt);
+                    step_obs.push_back(kvbench_n_obs(ctx) > n_obs0);
+                    if (d_lim >= 0 && n_lim < r.n_gen) {
                         const double dl = kvbench_step(ctx_lim, batch_lim, tok, d_lim + n_lim);
                         t_lim += dl;
                         r.lim_step_t.push_back(dl);
                         n_lim++;
-                    } catch (...) {
-                        llama_batch_free(batch);
-                        llama_batch_free(batch_lim);
-                        throw;
+                    }
+                    if (back >= 0) {
+                        tok = fed[back];
+                        fed.resize(back);
+                        i = back - 1;
                     }
                 }
-                if (back >= 0) {
-                    tok = fed[back];
-                    fed.resize(back);
-                    i = back - 1;
-                }
+            } catch (...) {
+                llama_batch_free(batch);
+                llama_batch_free(batch_lim);
+                throw;
             }
             llama_batch_free(batch);
             llama_batch_free(batch_lim);

@@ -98,6 +98,60 @@ static size_t ggml_sparse_attn_ext_split_scratch(const ggml_tensor * dst) {
     return (size_t) (2*DK + DV + dst->src[0]->ne[2]*(2 + DV));
 }
 
+// one query row (row iq of Q and of the mask) of head ih against the cells [c0, c1), for F16 K and V, scored as flash
+// attention scores them (vec_dot_f16 of the scaled query): P[c] = exp(s_c - m) with m the chunk's max (0 where
+// masked), VKQ = sum_c P[c] V_c (DV floats); returns m (-INFINITY: nothing visible, P 0) and the sum of P in *sum.
+// Qf (DK floats) and Q16 (DK halves) are scratch.
+static float ggml_sparse_attn_ext_row_f16_cells(const ggml_tensor * dst, int64_t iq, int64_t ih, int64_t c0, int64_t c1,
+        float slope, float scale, float logit_softcap, float * P, float * VKQ, double * sum, float * Qf, ggml_fp16_t * Q16) {
+    const ggml_tensor * q    = dst->src[0];
+    const ggml_tensor * k    = dst->src[1];
+    const ggml_tensor * v    = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+
+    const int64_t DK     = k->ne[0];
+    const int64_t DV     = v->ne[0];
+    const int64_t n_head = q->ne[2];
+    const int64_t ik     = ih/(n_head/k->ne[2]);
+    const int64_t iv     = ih/(n_head/v->ne[2]);
+
+    memcpy(Qf, (const char *) q->data + iq*q->nb[1] + ih*q->nb[2], DK*sizeof(float));
+    ggml_vec_scale_f32((int) DK, Qf, scale);
+    ggml_cpu_fp32_to_fp16(Qf, Q16, DK);
+
+    const ggml_fp16_t * mrow = mask ? (const ggml_fp16_t *) ((const char *) mask->data + iq*mask->nb[1]) : nullptr;
+    float m = -INFINITY;
+    for (int64_t c = c0; c < c1; ++c) {
+        const float mv = mrow ? slope*GGML_CPU_FP16_TO_FP32(mrow[c]) : 0.0f;
+        if (mv == -INFINITY) {
+            P[c] = -INFINITY;
+            continue;
+        }
+        float sc = 0.0f;
+        ggml_vec_dot_f16((int) DK, &sc, 0, (ggml_fp16_t *) ((char *) k->data + c*k->nb[1] + ik*k->nb[2]), 0, Q16, 0, 1);
+        if (logit_softcap != 0.0f) {
+            sc = logit_softcap*tanhf(sc);
+        }
+        P[c] = sc + mv;
+        m = std::max(m, P[c]);
+    }
+    memset(VKQ, 0, DV*sizeof(float));
+    *sum = 0.0;
+    if (m == -INFINITY) {
+        for (int64_t c = c0; c < c1; ++c) {
+            P[c] = 0.0f;
+        }
+        return m;
+    }
+    *sum = ggml_vec_soft_max_f32((int) (c1 - c0), P + c0, P + c0, m); // exp(s - m), 0 where masked
+    for (int64_t c = c0; c < c1; ++c) {
+        if (P[c] != 0.0f) {
+            ggml_sparse_attn_mad_f16(DV, VKQ, (const ggml_fp16_t *) ((const char *) v->data + c*v->nb[1] + iv*v->nb[2]), P[c]);
+        }
+    }
+    return m;
+}
+
 // one query row with the probabilities kept, F16 K and V, split over the threads by cells as flash attention splits
 // a single query (its split-KV path): each thread scores a contiguous chunk of cells for every head, so it reads
 // only its share of the layer's K and V and the 9 heads of SmolLM2 do not leave one of 2 threads idle; the chunks'
@@ -108,7 +162,6 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
     const ggml_tensor * q     = dst->src[0];
     const ggml_tensor * k     = dst->src[1];
     const ggml_tensor * v     = dst->src[2];
-    const ggml_tensor * mask  = dst->src[3];
     const ggml_tensor * sinks = dst->src[6];
 
     const int64_t DK     = k->ne[0];
@@ -134,47 +187,11 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
 
     // the chunk's scores, max, sum and partial output, per head
     for (int64_t ih = 0; ih < n_head; ++ih) {
-        const int64_t ik    = ih/(n_head/k->ne[2]);
-        const int64_t iv    = ih/(n_head/v->ne[2]);
-        const float   slope = ggml_sparse_attn_ext_slope(max_bias, n_head, ih);
         float * P  = (float *) ((char *) dst->data + dst->nb[3]) + ih*n_kv;
         float * ph = part + ih*(2 + DV);
-        float * VKQh = ph + 2;
-
-        memcpy(Qf, (const char *) q->data + ih*q->nb[2], DK*sizeof(float));
-        ggml_vec_scale_f32((int) DK, Qf, scale);
-        ggml_cpu_fp32_to_fp16(Qf, Q16, DK);
-
-        float m = -INFINITY;
-        for (int64_t c = c0; c < c1; ++c) {
-            const float mv = mask ? slope*GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) mask->data)[c]) : 0.0f;
-            if (mv == -INFINITY) {
-                P[c] = -INFINITY;
-                continue;
-            }
-            float sc = 0.0f;
-            ggml_vec_dot_f16((int) DK, &sc, 0, (ggml_fp16_t *) ((char *) k->data + c*k->nb[1] + ik*k->nb[2]), 0, Q16, 0, 1);
-            if (logit_softcap != 0.0f) {
-                sc = logit_softcap*tanhf(sc);
-            }
-            P[c] = sc + mv;
-            m = std::max(m, P[c]);
-        }
-        memset(VKQh, 0, DV*sizeof(float));
         double sum = 0.0;
-        if (m != -INFINITY) {
-            sum = ggml_vec_soft_max_f32((int) (c1 - c0), P + c0, P + c0, m); // exp(s - m), 0 where masked
-            for (int64_t c = c0; c < c1; ++c) {
-                if (P[c] != 0.0f) {
-                    ggml_sparse_attn_mad_f16(DV, VKQh, (const ggml_fp16_t *) ((const char *) v->data + c*v->nb[1] + iv*v->nb[2]), P[c]);
-                }
-            }
-        } else {
-            for (int64_t c = c0; c < c1; ++c) {
-                P[c] = 0.0f;
-            }
-        }
-        ph[0] = m;
+        ph[0] = ggml_sparse_attn_ext_row_f16_cells(dst, 0, ih, c0, c1, ggml_sparse_attn_ext_slope(max_bias, n_head, ih),
+                scale, logit_softcap, P, ph + 2, &sum, Qf, Q16);
         ph[1] = (float) sum;
     }
 
@@ -218,75 +235,36 @@ static void ggml_sparse_attn_ext_row_f16_split(const ggml_compute_params * param
 }
 
 // one query row (q_block 1) against every cell with the probabilities kept, for F16 K and V (an observed decode
-// step): the scores as flash attention computes them (vec_dot_f16 of the scaled query), an exact softmax over the
-// row written to P, then VKQ = P V
+// step): the scores as flash attention computes them, an exact softmax over the row (and the sink) written to P, then
+// VKQ = P V
 static void ggml_sparse_attn_ext_row_f16(ggml_tensor * dst, int64_t iq, int64_t ih, float slope, float scale,
         float logit_softcap, float * P, float * wdata) {
-    const ggml_tensor * q     = dst->src[0];
     const ggml_tensor * k     = dst->src[1];
     const ggml_tensor * v     = dst->src[2];
-    const ggml_tensor * mask  = dst->src[3];
     const ggml_tensor * sinks = dst->src[6];
 
-    const int64_t DK     = k->ne[0];
-    const int64_t DV     = v->ne[0];
-    const int64_t n_kv   = k->ne[1];
-    const int64_t n_head = q->ne[2];
-    const int64_t ik     = ih/(n_head/k->ne[2]);
-    const int64_t iv     = ih/(n_head/v->ne[2]);
+    const int64_t DK   = k->ne[0];
+    const int64_t DV   = v->ne[0];
+    const int64_t n_kv = k->ne[1];
 
     float       * VKQ = wdata;
     float       * Qf  = VKQ + DV;
     ggml_fp16_t * Q16 = (ggml_fp16_t *) (Qf + DK);
 
-    memcpy(Qf, (const char *) q->data + iq*q->nb[1] + ih*q->nb[2], DK*sizeof(float));
-    ggml_vec_scale_f32((int) DK, Qf, scale);
-    ggml_cpu_fp32_to_fp16(Qf, Q16, DK);
+    double sum = 0.0;
+    const float m = ggml_sparse_attn_ext_row_f16_cells(dst, iq, ih, 0, n_kv, slope, scale, logit_softcap, P, VKQ, &sum, Qf, Q16);
 
-    // mask (0 where there is none), then the scores of the visible cells
-    if (mask) {
-        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + iq*mask->nb[1]), P, n_kv);
-        if (slope != 1.0f) {
-            ggml_vec_scale_f32((int) n_kv, P, slope);
-        }
-    } else {
-        memset(P, 0, n_kv*sizeof(float));
-    }
-    float m = -INFINITY;
-    for (int64_t c = 0; c < n_kv; ++c) {
-        if (P[c] == -INFINITY) {
-            continue;
-        }
-        float sc = 0.0f;
-        ggml_vec_dot_f16((int) DK, &sc, 0, (ggml_fp16_t *) ((char *) k->data + c*k->nb[1] + ik*k->nb[2]), 0, Q16, 0, 1);
-        if (logit_softcap != 0.0f) {
-            sc = logit_softcap*tanhf(sc);
-        }
-        P[c] += sc;
-        m = std::max(m, P[c]);
-    }
+    // the sink's share: the row's max and sum with it
     const float s_sink = sinks ? ((const float *) sinks->data)[ih] : -INFINITY;
-    m = std::max(m, s_sink);
-
-    memset(VKQ, 0, DV*sizeof(float));
-    float inv = 0.0f;
-    if (m != -INFINITY) {
-        double sum = ggml_vec_soft_max_f32((int) n_kv, P, P, m);
-        if (sinks) {
-            sum += expf(s_sink - m);
-        }
-        inv = sum == 0.0 ? 0.0f : (float) (1.0/sum);
-        for (int64_t c = 0; c < n_kv; ++c) {
-            if (P[c] == 0.0f) {
-                continue;
-            }
-            ggml_sparse_attn_mad_f16(DV, VKQ, (const ggml_fp16_t *) ((const char *) v->data + c*v->nb[1] + iv*v->nb[2]), P[c]);
-        }
-        ggml_vec_scale_f32((int) DV, VKQ, inv);
-        ggml_vec_scale_f32((int) n_kv, P, inv);
-    } else {
-        memset(P, 0, n_kv*sizeof(float)); // nothing visible (the scores are -inf)
+    const float M      = std::max(m, s_sink);
+    const float f      = m == -INFINITY ? 0.0f : (m == M ? 1.0f : expf(m - M));
+    double      S      = sum*f;
+    if (sinks && M != -INFINITY) {
+        S += expf(s_sink - M);
     }
+    const float inv = S == 0.0 ? 0.0f : (float) (f/S);
+    ggml_vec_scale_f32((int) DV, VKQ, inv);
+    ggml_vec_scale_f32((int) n_kv, P, inv);
     memcpy((char *) dst->data + iq*dst->nb[2] + ih*dst->nb[1], VKQ, DV*sizeof(float));
 }
 
