@@ -133,7 +133,8 @@ def main() -> None:
         for spec in [None] + specs:
             print(f"sparse_prefill: needles {n} tokens, {spec or 'dense'}", flush=True)
             hits = needles(spec, cases, args.threads)
-            results["needles"].append({"policy": spec or "dense", "n_prompt": n, "hits": sum(hits), "of": len(hits)})
+            results["needles"].append({"policy": spec or "dense", "n_prompt": n, "hits": sum(hits), "of": len(hits),
+                                       "hit_list": [bool(h) for h in hits]})
     tok.close()
 
     print(markdown(results))

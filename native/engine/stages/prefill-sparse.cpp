@@ -40,8 +40,8 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
             "per-head entropy-guided block-sparse attention in prompt ubatches (EntropyInfer); chunks as dense") {}
 
     void defaults(llama_kvp_policy & p) const override {
-        p.segment   = 64;
-        p.block     = 64;
+        p.segment   = 32;   // 32/32 found every needle dense found (20 cases at 8k), 64/64 missed one (docs/NOTES.md)
+        p.block     = 32;
         p.base      = 512;  // 2.0x dense at 8k on 2 cores with KL 0.006 (docs/NOTES.md); 1024: 1.9x, KL 0.002
         p.e_t       = 0.5f;
         p.alpha     = 1.0f;
