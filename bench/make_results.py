@@ -126,7 +126,7 @@ def sparse_section(path: Path) -> str:
 ## Sparse prefill (prompt ubatches with block-sparse attention)
 
 ```
-python bench/sparse_prefill.py {res.get('command', '')}
+python bench/sparse_prefill.py {res.get('command', '').replace(str(ROOT) + os.sep, '')}
 ```
 
 Measured on {res.get('date', '?')}, {res['cpu']}, {res['threads']} threads (raw: [results/{path.name}](results/{path.name})).
