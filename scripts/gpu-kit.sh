@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Prepares what a GPU session carries to the device machine, which reaches no registry and takes at most 64 MiB:
+#
+#   bash scripts/gpu-kit.sh [--layers N]
+#
+# writes .gpukit/ (ignored by git, named in the device run's `carry`):
+#   - llama.cpp-patched.tar.gz: the patched llama.cpp tree of this checkout (our patch series applied, from the cache
+#     that scripts/setup.sh fills), trimmed to what the CUDA build of libllama needs (ggml without the backends we
+#     never build, src/, include/, cmake/), with the patch stamp, so the device needs neither the sdist nor `patch`;
+#   - smollm2-<N>l.gguf: the embedded SmolLM2-135M Q4_1 cut to its first N layers (default 8, ~47 MB; the real
+#     weights, so attention and entropy look like a real model's; the output is not a language model's) for the CUDA
+#     checks and the long-context speed runs.
+# Then `scripts/gpu-session.sh` runs on the device (see its header). Rerun this script whenever native/patches changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+
+LAYERS=8
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --layers) LAYERS="$2"; shift ;;
+        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu-kit: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+CACHE=${PYKVCACHE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pykvcache}
+PATCHED="$CACHE/llama.cpp-0.3.36-patched"
+SERIES=$(cat $(ls native/patches/*.patch | LC_ALL=C sort) | md5sum | cut -c1-32)
+if [ ! -f "$PATCHED/.pykvcache-patches" ] || [ "$(head -1 "$PATCHED/.pykvcache-patches")" != "$SERIES" ]; then
+    echo "gpu-kit: $PATCHED does not hold this checkout's patch series: run 'bash scripts/setup.sh' first" >&2
+    exit 1
+fi
+
+KIT="$ROOT/.gpukit"
+rm -rf "$KIT" && mkdir -p "$KIT"
+grep -qx '/.gpukit/' .gitignore 2>/dev/null || { echo "gpu-kit: .gitignore must list /.gpukit/" >&2; exit 1; }
+
+# the patched tree, without the backends this project never builds (ggml/src/CMakeLists adds a backend's folder only
+# when its GGML_<NAME> option is on)
+DROP=()
+for d in "$PATCHED"/ggml/src/ggml-*/; do
+    name=$(basename "$d")
+    case "$name" in ggml-cpu|ggml-cuda|ggml-rpc|ggml-blas) ;; *) DROP+=("--exclude=ggml/src/$name") ;; esac
+done
+tar -C "$PATCHED" -czf "$KIT/llama.cpp-patched.tar.gz" "${DROP[@]}" \
+    CMakeLists.txt LICENSE .pykvcache-patches cmake ggml include src licenses vendor
+echo "gpu-kit: $(du -h "$KIT/llama.cpp-patched.tar.gz" | cut -f1) llama.cpp-patched.tar.gz (patch series $SERIES)"
+
+# the model, cut to its first LAYERS layers
+(cd / && "$PY" -c "import gguf") 2>/dev/null || { echo "gpu-kit: needs the gguf package (bash scripts/setup.sh --test)" >&2; exit 1; }
+MODEL=$(cd / && "$PY" -c "from pykvcache.llama import default_model_path; print(default_model_path())")
+"$PY" - "$MODEL" "$KIT/smollm2-${LAYERS}l.gguf" "$LAYERS" <<'EOF'
+import sys
+
+import gguf
+
+src, dst, n_layer = sys.argv[1], sys.argv[2], int(sys.argv[3])
+r = gguf.GGUFReader(src)
+arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+w = gguf.GGUFWriter(dst, arch)
+for key, f in r.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+        continue
+    vtype = f.types[0]
+    if key == f"{arch}.block_count":
+        w.add_uint32(key, n_layer)
+    elif vtype == gguf.GGUFValueType.ARRAY:
+        sub = f.types[1]
+        vals = ([bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data] if sub == gguf.GGUFValueType.STRING
+                else [f.parts[i][0].item() for i in f.data])
+        w.add_array(key, vals)
+    elif vtype == gguf.GGUFValueType.STRING:
+        w.add_string(key, bytes(f.parts[-1]).decode("utf-8", "replace"))
+    else:
+        w.add_key_value(key, f.parts[-1][0].item(), vtype)
+for t in r.tensors:
+    if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layer:
+        continue
+    w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_tensors_to_file()
+w.close()
+EOF
+echo "gpu-kit: $(du -h "$KIT/smollm2-${LAYERS}l.gguf" | cut -f1) smollm2-${LAYERS}l.gguf"
+
+# what travels: the tracked and untracked-not-ignored files, plus the kit
+TREE=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+KITB=$(du -sb "$KIT" | cut -f1)
+TOTAL=$(( (TREE + KITB) / 1048576 ))
+echo "gpu-kit: working tree + kit = $TOTAL MiB (the device takes 64 MiB)"
+[ "$TOTAL" -lt 63 ] || { echo "gpu-kit: too large; use --layers with fewer layers" >&2; exit 1; }
+echo "gpu-kit: ready; on the device: bash scripts/gpu-session.sh (carry: .gpukit)"
