@@ -5,8 +5,9 @@
 kvbench alternates the decode steps of each policy with those of its limit, but measures the policies one after the
 other. Here every policy context gets the prompt (the essays' tokens), the limit context of each policy (the full
 cache prefilled with as many tokens as the policy's mean layer budget) is prefilled too, and then decode step i runs
-in every context in turn, with the same token: a slow moment costs all of them alike, so the rows compare too. Prints per context the mean and median step time, tokens/s and `x limit` (its limit's
-mean step time over its own; the median ratio beside it).
+in every context in turn, with the same token: a slow moment costs all of them alike, so the rows compare too.
+Prints per context the mean and median step time, tokens/s and `x limit` (its limit's mean step time over its own;
+the median ratio beside it).
 """
 
 from __future__ import annotations

@@ -52,39 +52,8 @@ echo "gpu-kit: $(du -h "$KIT/llama.cpp-patched.tar.gz" | cut -f1) llama.cpp-patc
 # the model, cut to its first LAYERS layers
 (cd / && "$PY" -c "import gguf") 2>/dev/null || { echo "gpu-kit: needs the gguf package (bash scripts/setup.sh --test)" >&2; exit 1; }
 MODEL=$(cd / && "$PY" -c "from pykvcache.llama import default_model_path; print(default_model_path())")
-"$PY" - "$MODEL" "$KIT/smollm2-${LAYERS}l.gguf" "$LAYERS" <<'EOF'
-import sys
-
-import gguf
-
-src, dst, n_layer = sys.argv[1], sys.argv[2], int(sys.argv[3])
-r = gguf.GGUFReader(src)
-arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-w = gguf.GGUFWriter(dst, arch)
-for key, f in r.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-        continue
-    vtype = f.types[0]
-    if key == f"{arch}.block_count":
-        w.add_uint32(key, n_layer)
-    elif vtype == gguf.GGUFValueType.ARRAY:
-        sub = f.types[1]
-        vals = ([bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data] if sub == gguf.GGUFValueType.STRING
-                else [f.parts[i][0].item() for i in f.data])
-        w.add_array(key, vals)
-    elif vtype == gguf.GGUFValueType.STRING:
-        w.add_string(key, bytes(f.parts[-1]).decode("utf-8", "replace"))
-    else:
-        w.add_key_value(key, f.parts[-1][0].item(), vtype)
-for t in r.tensors:
-    if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layer:
-        continue
-    w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-w.write_header_to_file()
-w.write_kv_data_to_file()
-w.write_tensors_to_file()
-w.close()
-EOF
+(cd / && "$PY" -c "import sys; from pathlib import Path; from pykvcache._models.gguf_copy import write_first_layers
+write_first_layers(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))" "$MODEL" "$KIT/smollm2-${LAYERS}l.gguf" "$LAYERS")
 echo "gpu-kit: $(du -h "$KIT/smollm2-${LAYERS}l.gguf" | cut -f1) smollm2-${LAYERS}l.gguf"
 
 # what travels: the tracked and untracked-not-ignored files, plus the kit

@@ -11,26 +11,11 @@ import numpy as np
 def _copy_tokenizer(writer, source: Path) -> int:
     import gguf
 
+    from pykvcache._models.gguf_copy import copy_fields
+
     reader = gguf.GGUFReader(str(source))
-    n_vocab = 0
-    for key, f in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = f.types[1]
-            if sub == gguf.GGUFValueType.STRING:
-                vals = [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
-            else:
-                vals = [f.parts[i][0].item() for i in f.data]
-            writer.add_array(key, vals)
-            if key == "tokenizer.ggml.tokens":
-                n_vocab = len(vals)
-        elif vtype == gguf.GGUFValueType.STRING:
-            writer.add_string(key, bytes(f.parts[-1]).decode("utf-8", "replace"))
-        else:
-            writer.add_key_value(key, f.parts[-1][0].item(), vtype)
-    return n_vocab
+    copy_fields(writer, reader, lambda key: key.startswith("tokenizer."))
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
 def write_tiny_gemma3(path: Path, tokenizer_source: Path, n_layer: int = 2, sliding_window: int = 64) -> Path:
