@@ -1,0 +1,73 @@
+"""The tiled Q4_1 matmul of prompt ubatches (native/kernels/gemm-q4_1-cpu.cpp): the installed gemm-q4_1-check binary
+runs GGML_OP_MUL_MAT with Q4_1 weights on random shapes through the CPU backend and compares every value with ggml's
+own vec_dot, bit for bit; the default model's prompt logits do not depend on whether the kernel is on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pykvcache import cli
+
+
+def check(*args, env=None):
+    name = "gemm-q4_1-check.exe" if sys.platform == "win32" else "gemm-q4_1-check"
+    exe = cli.kvbench_path().parent / name
+    if not exe.is_file():
+        pytest.fail(f"gemm-q4_1-check is missing ({exe}); reinstall with `bash scripts/setup.sh`")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600, cwd="/",
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("cases, seed", [(60, 1), (40, 7)])
+def test_tiled_q4_1_matmul_equals_vec_dot_bit_for_bit(cases, seed):
+    p = check("--cases", str(cases), "--seed", str(seed), "--threads", "3")
+    out = json.loads(p.stdout)
+    assert out["tiled"] is True
+    assert out["cases"] == cases and out["values"] > 0
+    assert out["fail"] == 0 and out["differ"] == 0, out["failures"]
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_gemm_check_help_bench_and_bad_arguments():
+    p = check("--help")
+    assert p.returncode == 0
+    for flag in ("--cases", "--seed", "--threads", "--bench"):
+        assert flag in p.stdout
+    p = check("--cases", "zero")
+    assert p.returncode == 2 and "--cases" in p.stderr
+    # the bench runs both paths (no timing asserted: figures live in benchmarks)
+    for mm, tiled in (("1", True), ("0", False)):
+        out = json.loads(check("--bench", "--threads", "1", env={"GGML_CPU_TILED_MM": mm}).stdout)
+        assert out["tiled"] is tiled
+        assert [s["name"] for s in out["shapes"]] == ["attn_q", "attn_k", "attn_out", "ffn_up", "ffn_down"]
+        assert all(s["ms"] > 0 for s in out["shapes"])
+
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from pykvcache import Llama, default_model_path
+llm = Llama(default_model_path(), n_ctx=512, n_batch=128, logits_all=True, verbose=False, n_threads=2)
+toks = llm.tokenize(b"The lighthouse keeper wrote the date of every storm in a ledger by the window.")
+llm.eval(toks)
+np.save(sys.argv[1], np.asarray(llm.scores[: len(toks)], dtype=np.float32))
+"""
+
+
+def test_default_model_prompt_logits_do_not_depend_on_the_kernel(tmp_path):
+    # the default model is Q4_1: a prompt's matmuls go through the kernel, or through vec_dot with it turned off
+    runs = {}
+    for mm in ("1", "0"):
+        out = tmp_path / f"logits-{mm}.npy"
+        p = subprocess.run([sys.executable, "-c", PROBE, str(out)], capture_output=True, text=True, timeout=300,
+                           cwd=str(tmp_path), env={**os.environ, "GGML_CPU_TILED_MM": mm})
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[mm] = np.load(out)
+    assert runs["1"].shape[0] > 10 and np.isfinite(runs["1"]).all()
+    assert np.array_equal(runs["1"], runs["0"])
