@@ -132,6 +132,7 @@ typedef void (*gemm_q4_1_tile_t)(int64_t, const gemm_q4_1_block *, int64_t, cons
 // (gemm-q4_1-check --bench, one thread, AMD EPYC)
 static constexpr int GEMM_Q4_1_RM = 3; // rows of a tile
 static constexpr int GEMM_Q4_1_RN = 4; // columns of a tile
+static constexpr int GEMM_Q4_1_JOB = 4; // row tiles per job
 
 // the tile kernel of rm x rn (the edges of the matrix take the smaller ones)
 template <int RM>
@@ -161,25 +162,30 @@ bool ggml_gemm_q4_1_q8_1(const struct ggml_compute_params * params, int64_t m, i
     if (!ggml_gemm_q4_1_enabled()) {
         return false;
     }
-    const int ith = params->ith;
-    const int nth = params->nth;
-
-    // each thread takes a contiguous range of whole row tiles
+    // jobs of GEMM_Q4_1_JOB row tiles x every column, handed out through the threadpool's chunk counter (as the
+    // stock path and tinyBLAS do), so that a thread slowed down by the machine does not hold the others back
     const int64_t n_tiles = (m + GEMM_Q4_1_RM - 1)/GEMM_Q4_1_RM;
-    const int64_t t0      = n_tiles*ith/nth;
-    const int64_t t1      = n_tiles*(ith + 1)/nth;
+    const int64_t n_jobs  = (n_tiles + GEMM_Q4_1_JOB - 1)/GEMM_Q4_1_JOB;
+    if (params->ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, params->nth);
+    }
+    ggml_barrier(params->threadpool);
 
     const gemm_q4_1_block * a = (const gemm_q4_1_block *) A;
     const gemm_q8_1_block * b = (const gemm_q8_1_block *) B;
 
-    for (int64_t t = t0; t < t1; ++t) {
-        const int64_t i0 = t*GEMM_Q4_1_RM;
-        const int     rm = (int) (m - i0 < GEMM_Q4_1_RM ? m - i0 : GEMM_Q4_1_RM);
-        for (int64_t j0 = 0; j0 < n; j0 += GEMM_Q4_1_RN) {
-            const int rn = (int) (n - j0 < GEMM_Q4_1_RN ? n - j0 : GEMM_Q4_1_RN);
-            gemm_q4_1_pick(rm, rn)(k, a, lda, b, ldb, C, ldc, i0, j0);
+    for (int64_t job = params->ith; job < n_jobs; job = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        const int64_t t1 = (job + 1)*GEMM_Q4_1_JOB < n_tiles ? (job + 1)*GEMM_Q4_1_JOB : n_tiles;
+        for (int64_t t = job*GEMM_Q4_1_JOB; t < t1; ++t) {
+            const int64_t i0 = t*GEMM_Q4_1_RM;
+            const int     rm = (int) (m - i0 < GEMM_Q4_1_RM ? m - i0 : GEMM_Q4_1_RM);
+            for (int64_t j0 = 0; j0 < n; j0 += GEMM_Q4_1_RN) {
+                const int rn = (int) (n - j0 < GEMM_Q4_1_RN ? n - j0 : GEMM_Q4_1_RN);
+                gemm_q4_1_pick(rm, rn)(k, a, lda, b, ldb, C, ldc, i0, j0);
+            }
         }
     }
+    ggml_barrier(params->threadpool);
     return true;
 #else
     GGML_UNUSED(params); GGML_UNUSED(m); GGML_UNUSED(n); GGML_UNUSED(k); GGML_UNUSED(A); GGML_UNUSED(lda);
