@@ -185,9 +185,14 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     return 0
 
 
+def tool_path(name: str) -> Path:
+    """Path of a binary installed with the package (pykvcache/bin: kvbench and its checks)."""
+    return Path(__file__).resolve().parent / "bin" / (name + ".exe" if sys.platform == "win32" else name)
+
+
 def kvbench_path() -> Path:
     """Path of the kvbench binary installed with the package."""
-    return Path(__file__).resolve().parent / "bin" / ("kvbench.exe" if sys.platform == "win32" else "kvbench")
+    return tool_path("kvbench")
 
 
 def cmd_bench(argv: List[str]) -> int:

@@ -5,25 +5,14 @@ ggml_flash_attn_ext with every block listed, against a double-precision host ref
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from pykvcache import cli
-
-
-def check_path():
-    """Path of the sparse-attn-check binary installed beside kvbench (pykvcache/bin)."""
-    name = "sparse-attn-check.exe" if sys.platform == "win32" else "sparse-attn-check"
-    return cli.kvbench_path().parent / name
+from native_tools import run_tool
 
 
 def sparse_attn_check(*args):
-    exe = check_path()
-    if not exe.is_file():
-        pytest.fail(f"sparse-attn-check is missing ({exe}); reinstall with `bash scripts/setup.sh`")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600, cwd="/")
+    return run_tool("sparse-attn-check", *args)
 
 
 @pytest.mark.parametrize("cases, seed", [(60, 1), (40, 7)])
@@ -58,15 +47,13 @@ def test_sparse_attn_check_help_and_bad_arguments():
 def test_sparse_attn_perf_times_the_op_against_flash_attention():
     # the benchmark binary beside it: one flash row and one sparse row per density, on every backend; listing fewer
     # blocks lists a smaller share of the visible ones (no timing asserted: targets live in benchmarks)
-    exe = cli.kvbench_path().parent / ("sparse-attn-perf.exe" if sys.platform == "win32" else "sparse-attn-perf")
-    assert exe.is_file(), f"sparse-attn-perf is missing ({exe})"
-    p = subprocess.run([str(exe), "--n-kv", "1024", "--n-q", "128", "--density", "0.25,1", "-r", "1", "-t", "2"],
-                       capture_output=True, text=True, timeout=300, cwd="/")
+    p = run_tool("sparse-attn-perf", "--n-kv", "1024", "--n-q", "128", "--density", "0.25,1", "-r", "1", "-t", "2",
+                 timeout=300)
     assert p.returncode == 0, p.stderr
     rows = [r.split("|")[1:-1] for r in p.stdout.splitlines() if r.startswith("| CPU")]
     assert [r[1].strip() for r in rows] == ["flash_attn_ext", "sparse_attn_ext", "sparse_attn_ext"]
     listed = [float(r[2]) for r in rows]
     assert listed[0] == 1.0 and 0.2 <= listed[1] < 0.5 and listed[2] == 1.0
     assert all(float(r[3]) > 0.0 for r in rows)
-    bad = subprocess.run([str(exe), "--density", "0"], capture_output=True, text=True, timeout=60, cwd="/")
+    bad = run_tool("sparse-attn-perf", "--density", "0", timeout=60)
     assert bad.returncode == 2 and "--density" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

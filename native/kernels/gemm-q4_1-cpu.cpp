@@ -16,7 +16,6 @@
 #include "simd-mappings.h"
 
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -155,6 +154,14 @@ static gemm_q4_1_tile_t gemm_q4_1_pick(int rm, int rn) {
 }
 
 #endif // GGML_GEMM_Q4_1_AVX2
+
+bool ggml_gemm_q4_1_available(void) {
+#ifdef GGML_GEMM_Q4_1_AVX2
+    return ggml_gemm_q4_1_enabled();
+#else
+    return false;
+#endif
+}
 
 bool ggml_gemm_q4_1_q8_1(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                          const void * A, int64_t lda, const void * B, int64_t ldb, float * C, int64_t ldc) {

@@ -8,6 +8,8 @@
 // GGML_CPU_TILED_MM=0, the in-tree switch of the tiled K-quant matmul, turns it off as well.
 #pragma once
 
+#include "ggml-backend.h"
+
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -17,9 +19,12 @@ extern "C" {
 
 struct ggml_compute_params;
 
+// whether the kernel runs in this process: built with AVX2/FMA/F16C and not turned off by GGML_CPU_TILED_MM=0
+GGML_BACKEND_API bool ggml_gemm_q4_1_available(void);
+
 // C[j*ldc + i] = dot(A row i, B column j) for i < m, j < n; A: m rows of k Q4_1 blocks (row stride lda blocks),
-// B: n columns of k Q8_1 blocks (stride ldb blocks). Every thread of the params must call it (jobs of rows are shared out). Returns false
-// (nothing computed) where the kernel does not apply: no AVX2/FMA/F16C in this build, or turned off.
+// B: n columns of k Q8_1 blocks (stride ldb blocks). Every thread of the params must call it (jobs of rows are
+// shared out). Returns false (nothing computed) where the kernel is not available.
 bool ggml_gemm_q4_1_q8_1(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                          const void * A, int64_t lda, const void * B, int64_t ldb, float * C, int64_t ldc);
 

@@ -15,6 +15,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "ggml-gemm-q4_1.h"
 
 #include <algorithm>
 #include <chrono>
@@ -121,7 +122,6 @@ static std::vector<uint8_t> quantize_q4_1(const std::vector<float> & f, int64_t 
 }
 
 static int run_bench(ggml_backend_t cpu, const check_params & p) {
-    const char * env = getenv("GGML_CPU_TILED_MM");
     struct shape { const char * name; int64_t m, k; };
     // SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, FFN 1536
     const shape shapes[] = { { "attn_q", 576, 576 }, { "attn_k", 192, 576 }, { "attn_out", 576, 576 },
@@ -130,7 +130,7 @@ static int run_bench(ggml_backend_t cpu, const check_params & p) {
     std::mt19937_64 rng(p.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     ggml_backend_cpu_set_n_threads(cpu, p.n_threads);
-    printf("{\"tiled\": %s, \"threads\": %d, \"columns\": %lld, \"shapes\": [", env && atoi(env) == 0 ? "false" : "true",
+    printf("{\"tiled\": %s, \"threads\": %d, \"columns\": %lld, \"shapes\": [", ggml_gemm_q4_1_available() ? "true" : "false",
            p.n_threads, (long long) n);
     for (size_t s = 0; s < sizeof(shapes)/sizeof(shapes[0]); ++s) {
         const shape & sh = shapes[s];
@@ -243,10 +243,9 @@ int main(int argc, char ** argv) {
             failures += buf;
         }
     }
-    const char * env = getenv("GGML_CPU_TILED_MM");
     printf("{\"cases\": %d, \"fail\": %d, \"values\": %lld, \"differ\": %lld, \"max_abs\": %g, \"tiled\": %s, "
            "\"failures\": [%s]}\n", p.n_cases, n_fail, (long long) n_values, (long long) n_diff, max_abs,
-           env && atoi(env) == 0 ? "false" : "true", failures.c_str());
+           ggml_gemm_q4_1_available() ? "true" : "false", failures.c_str());
     ggml_backend_free(cpu);
     return n_fail ? 1 : 0;
 }
