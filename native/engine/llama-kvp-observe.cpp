@@ -543,6 +543,12 @@ bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
     return true;
 }
 
+// the host data of an input tensor, or nullptr where the graph has no node reading it: the scheduler allocates no
+// such input (e.g. the head weights of a decode step on a backend that declines the observed attention, CUDA)
+static float * llama_kvp_input_f32(ggml_tensor * t) {
+    return t && t->buffer ? (float *) t->data : nullptr;
+}
+
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     const int32_t W = st->policy.window;
 
@@ -589,8 +595,8 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
             }
         }
     }
-    if (head_w) {
-        std::fill((float *) head_w->data, (float *) head_w->data + st->n_head, 1.0f/st->n_head);
+    if (float * hw = llama_kvp_input_f32(head_w)) {
+        std::fill(hw, hw + st->n_head, 1.0f/st->n_head);
     }
 
     if (!obs) {
@@ -615,12 +621,13 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     for (int32_t s = 0; s < W; ++s) {
         w[s] = valid[s] ? 1.0f/n_valid : 0.0f;
     }
-    if (ent) {
-        std::copy(w.begin(), w.end(), (float *) weights->data); // only the entropy reads the per-query weights
+    if (float * wq = ent ? llama_kvp_input_f32(weights) : nullptr) {
+        std::copy(w.begin(), w.end(), wq); // only the entropy reads the per-query weights
     }
-    float * wh = (float *) weights_h->data;
-    for (int32_t h = 0; h < st->n_head; ++h) {
-        std::copy(w.begin(), w.end(), wh + (int64_t) h*W);
+    if (float * wh = llama_kvp_input_f32(weights_h)) {
+        for (int32_t h = 0; h < st->n_head; ++h) {
+            std::copy(w.begin(), w.end(), wh + (int64_t) h*W);
+        }
     }
     const bool alibi = st->model.hparams.use_alibi;
 
@@ -641,7 +648,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
             j_any = 0;
         }
 
-        float * m = c.mask ? (float *) c.mask->data : nullptr;
+        float * m = llama_kvp_input_f32(c.mask);
         for (int32_t s = 0; m && s < W; ++s) {
             float * row = m + (int64_t) s*n_kv;
             if (!valid[s]) {
@@ -663,15 +670,14 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         // accumulation: carry a cell's score only while it holds the token it held at the last observation
         // (the layers of one set share their cells, so their bookkeeping is the same)
         auto & ref = st->layers[c.layers[0]].cell_pos_obs;
-        float * kp = (float *) c.keep->data;
-        for (int64_t j = 0; j < n_kv; ++j) {
+        float * kp = llama_kvp_input_f32(c.keep);
+        for (int64_t j = 0; kp && j < n_kv; ++j) {
             kp[j] = (pos[j] >= 0 && pos[j] == ref[j]) ? st->policy.decay : 0.0f;
         }
 
         // rows that count for a cell: a valid slot's row written while the cell held its present token
-        if (c.rsel) {
+        if (float * rs = llama_kvp_input_f32(c.rsel)) {
             const auto & L = st->layers[c.layers[0]];
-            float * rs = (float *) c.rsel->data;
             for (int32_t s = 0; s < W; ++s) {
                 for (int64_t j = 0; j < n_kv; ++j) {
                     rs[(int64_t) s*n_kv + j] = valid[s] && pos[j] >= 0 && L.row_step[s] >= L.cell_step[j] ? 1.0f : 0.0f;
@@ -1149,13 +1155,16 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
     }
     llama_kvp_sync(st);
     const int64_t row = L.q_ring->ne[0];
+    // the whole ring in one read (one transfer where it lives in device memory), then its filled slots
+    std::vector<float> ring((size_t) row*L.q_ring->ne[1]);
+    ggml_backend_tensor_get(L.q_ring, ring.data(), 0, ring.size()*sizeof(float));
     int32_t n = 0;
     for (int32_t s = 0; s < (int32_t) st->slot_pos.size(); ++s) {
         if (st->slot_pos[s] < 0) {
             continue;
         }
         q.resize((size_t) (n + 1)*row);
-        ggml_backend_tensor_get(L.q_ring, q.data() + (size_t) n*row, (size_t) s*L.q_ring->nb[1], row*sizeof(float));
+        std::copy_n(ring.data() + (size_t) s*row, row, q.data() + (size_t) n*row);
         if (qpos) {
             qpos->push_back(st->slot_pos[s]);
         }

@@ -341,12 +341,6 @@ static const uint8_t * llama_kvp_tensor_bytes(ggml_tensor * t, size_t offset, si
     return buf.data();
 }
 
-// row j of a cache tensor (K, or V not transposed) as f32
-static void llama_kvp_row_get(ggml_tensor * t, uint32_t j, std::vector<uint8_t> & raw, float * out) {
-    const size_t nb = ggml_row_size(t->type, t->ne[0]);
-    ggml_get_type_traits(t->type)->to_float(llama_kvp_tensor_bytes(t, (size_t) j*t->nb[1], nb, raw), out, t->ne[0]);
-}
-
 static void llama_kvp_row_set(ggml_tensor * t, uint32_t j, std::vector<uint8_t> & raw, const float * src) {
     const size_t nb = ggml_row_size(t->type, t->ne[0]);
     raw.resize(nb);
@@ -482,6 +476,21 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             v_all = llama_kvp_tensor_bytes(vt, 0, ggml_nbytes(vt), v_buf);
         }
 
+        // the leavers' K rows (and V rows, not transposed) in one read each: one span transfer from device memory
+        // instead of one per row
+        std::vector<uint32_t> idx_in;
+        for (const auto & c : leaving) {
+            if (!L.bias.count(c.pos)) {
+                idx_in.push_back(c.idx);
+            }
+        }
+        std::vector<uint8_t> k_rows(idx_in.size()*ggml_row_size(kt->type, n_embd_k));
+        std::vector<uint8_t> v_rows(v_trans ? 0 : idx_in.size()*ggml_row_size(vt->type, n_embd_v));
+        llama_kvp_cells_read(kt, false, size, idx_in, k_rows.data());
+        if (!v_trans) {
+            llama_kvp_cells_read(vt, false, size, idx_in, v_rows.data());
+        }
+        size_t i_in = 0;
         for (const auto & c : leaving) {
             if (L.bias.count(c.pos)) {
                 mem.cell_free(ikv, c.idx); // a centroid leaving is dropped
@@ -493,9 +502,11 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.score.push_back(c.score);
             S.k.resize((n0 + 1)*n_embd_k);
             S.v.resize((n0 + 1)*n_embd_v);
-            llama_kvp_row_get(kt, c.idx, raw, S.k.data() + n0*n_embd_k);
+            ggml_get_type_traits(kt->type)->to_float(k_rows.data() + i_in*ggml_row_size(kt->type, n_embd_k),
+                                                     S.k.data() + n0*n_embd_k, n_embd_k);
             if (!v_trans) {
-                llama_kvp_row_get(vt, c.idx, raw, S.v.data() + n0*n_embd_v);
+                ggml_get_type_traits(vt->type)->to_float(v_rows.data() + i_in*ggml_row_size(vt->type, n_embd_v),
+                                                         S.v.data() + n0*n_embd_v, n_embd_v);
             } else {
                 for (int64_t e = 0; e < n_embd_v; ++e) {
                     const size_t off = ((size_t) e*size + c.idx)*v_es;
@@ -504,6 +515,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 }
             }
             mem.cell_free(ikv, c.idx);
+            i_in++;
         }
 
         while (S.pos.size() >= (size_t) mem.policy.bin) {
