@@ -9,6 +9,7 @@
 
 #include "llama.h"
 #include "llama-kvp.h"
+#include "kvp-tool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -144,33 +145,6 @@ static void kvbench_usage(const char * argv0) {
     printf("\npolicy specs, as in Python and the pykvcache CLI: %s", buf.data());
 }
 
-static std::vector<int32_t> kvbench_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
-    std::vector<int32_t> res;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-        char * end = nullptr;
-        errno = 0;
-        const long x = strtol(item.c_str(), &end, 10);
-        if (item.empty() || *end != '\0' || errno != 0 || x < min_value || x > INT32_MAX) {
-            throw std::invalid_argument(flag + ": expected integers >= " + std::to_string(min_value) + ", got '" + s + "'");
-        }
-        res.push_back((int32_t) x);
-    }
-    if (res.empty()) {
-        throw std::invalid_argument(flag + ": expected a value");
-    }
-    return res;
-}
-
-static int32_t kvbench_parse_int(const std::string & flag, const std::string & s, int32_t min_value) {
-    const auto v = kvbench_parse_list(flag, s, min_value);
-    if (v.size() != 1) {
-        throw std::invalid_argument(flag + ": expected one integer, got '" + s + "'");
-    }
-    return v[0];
-}
-
 // returns 0 to run, 1 for --help, throws on bad input
 static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
     for (int i = 1; i < argc; ++i) {
@@ -188,21 +162,21 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "--policy") {
             params.policies.push_back(value());
         } else if (arg == "-p" || arg == "--n-prompt") {
-            params.n_prompt = kvbench_parse_list(arg, value(), 0);
+            params.n_prompt = kvp_tool_parse_list(arg, value(), 0);
         } else if (arg == "-n" || arg == "--n-gen") {
-            params.n_gen = kvbench_parse_list(arg, value(), 0);
+            params.n_gen = kvp_tool_parse_list(arg, value(), 0);
         } else if (arg == "-d" || arg == "--n-depth") {
-            params.n_depth = kvbench_parse_list(arg, value(), 0);
+            params.n_depth = kvp_tool_parse_list(arg, value(), 0);
         } else if (arg == "-r" || arg == "--repetitions") {
-            params.reps = kvbench_parse_int(arg, value(), 1);
+            params.reps = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
-            params.n_threads = kvbench_parse_int(arg, value(), 1);
+            params.n_threads = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
-            params.n_gpu_layers = kvbench_parse_int(arg, value(), 0);
+            params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-c" || arg == "--ctx-size") {
-            params.n_ctx = kvbench_parse_int(arg, value(), 0);
+            params.n_ctx = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-b" || arg == "--batch-size") {
-            params.n_batch = kvbench_parse_int(arg, value(), 1);
+            params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
             const std::string v = value();
             if (v != "on" && v != "off" && v != "1" && v != "0") {
@@ -212,7 +186,7 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "-f" || arg == "--file") {
             params.text_file = value();
         } else if (arg == "-s" || arg == "--seed") {
-            params.seed = (uint32_t) kvbench_parse_int(arg, value(), 0);
+            params.seed = (uint32_t) kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-o" || arg == "--output") {
             params.output = value();
             if (params.output != "md" && params.output != "json" && params.output != "csv") {
@@ -296,69 +270,6 @@ static double kvbench_now() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// the test tokens: the file's tokens repeated, or random tokens (no BOS/EOS)
-static std::vector<llama_token> kvbench_tokens(const llama_vocab * vocab, const kvbench_params & params, size_t n) {
-    std::vector<llama_token> base;
-    if (!params.text_file.empty()) {
-        std::ifstream in(params.text_file, std::ios::binary);
-        if (!in) {
-            throw std::invalid_argument("-f: cannot read " + params.text_file);
-        }
-        std::stringstream ss;
-        ss << in.rdbuf();
-        const std::string text = ss.str();
-        base.resize(text.size() + 16);
-        const int32_t k = llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), base.data(), (int32_t) base.size(), false, false);
-        if (k <= 0) {
-            throw std::invalid_argument("-f: no tokens in " + params.text_file);
-        }
-        base.resize(k);
-    } else {
-        std::mt19937 rng(params.seed);
-        const int32_t n_vocab = llama_vocab_n_tokens(vocab);
-        std::uniform_int_distribution<int32_t> dist(0, n_vocab - 1);
-        base.resize(std::max<size_t>(n, 1));
-        for (auto & t : base) {
-            do {
-                t = dist(rng);
-            } while (llama_vocab_is_control(vocab, t) || llama_vocab_is_eog(vocab, t));
-        }
-    }
-    std::vector<llama_token> res(n);
-    for (size_t i = 0; i < n; ++i) {
-        res[i] = base[i % base.size()];
-    }
-    return res;
-}
-
-// decodes tokens at positions pos0.. as a prompt (guided chunks first when the policy guides); logits of the last
-static void kvbench_prefill(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_batch, bool guided) {
-    int32_t i0 = 0;
-    if (guided && n > 1) {
-        i0 = llama_kvp_prefill_guided(ctx, tokens, n, pos0);
-        if (i0 < 0) {
-            throw std::runtime_error(std::string("guided prefill failed: ") + llama_kvp_last_error());
-        }
-    }
-    llama_batch batch = llama_batch_init(n_batch, 0, 1);
-    for (; i0 < n; i0 += n_batch) {
-        const int32_t m = std::min(n_batch, n - i0);
-        batch.n_tokens = m;
-        for (int32_t j = 0; j < m; ++j) {
-            batch.token[j]     = tokens[i0 + j];
-            batch.pos[j]       = pos0 + i0 + j;
-            batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = 0;
-            batch.logits[j]    = i0 + j == n - 1;
-        }
-        if (llama_decode(ctx, batch) != 0) {
-            llama_batch_free(batch);
-            throw std::runtime_error("llama_decode failed at position " + std::to_string(pos0 + i0));
-        }
-    }
-    llama_batch_free(batch);
-}
-
 // gap=0 latent re-ranking (schedule `latent`, or `freeze` with gap=0) is the caller's, as in Python's Llama: at the end
 // of the prompt re-rank, evaluate its last `window` tokens again, re-rank again and evaluate its last token again
 static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_window, int32_t n_batch) {
@@ -368,7 +279,7 @@ static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens,
             throw std::runtime_error(std::string("latent re-ranking failed: ") + llama_kvp_last_error());
         }
         llama_memory_seq_rm(llama_get_memory(ctx), 0, pos0 + n - k, -1);
-        kvbench_prefill(ctx, tokens + n - k, k, pos0 + n - k, n_batch, false);
+        kvp_tool_prefill(ctx, tokens + n - k, k, pos0 + n - k, n_batch, false);
     }
 }
 
@@ -440,12 +351,12 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         }
         llama_kvp_reset_peak(ctx); // the peak of this test, not of the set-up
         if (r.n_depth > 0) {
-            kvbench_prefill(ctx, tokens.data(), r.n_depth, 0, params.n_batch, guided);
+            kvp_tool_prefill(ctx, tokens.data(), r.n_depth, 0, params.n_batch, guided);
         }
         if (r.n_prompt > 0) {
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
-            kvbench_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
+            kvp_tool_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
             if (latent_at_end && r.n_prompt > 1) {
                 kvbench_latent_redo(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pol.window, params.n_batch);
             }
@@ -462,7 +373,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                 d_lim = kvbench_limit_depth_of(mi, r.n_depth + r.n_prompt);
                 if (d_lim >= 0) {
                     llama_memory_clear(llama_get_memory(ctx_lim), true);
-                    kvbench_prefill(ctx_lim, tokens.data(), d_lim, 0, params.n_batch, false);
+                    kvp_tool_prefill(ctx_lim, tokens.data(), d_lim, 0, params.n_batch, false);
                     llama_synchronize(ctx_lim);
                     r.limit_depth = d_lim;
                 }
@@ -830,7 +741,7 @@ int main(int argc, char ** argv) {
 
     std::vector<llama_token> tokens;
     try {
-        tokens = kvbench_tokens(llama_model_get_vocab(model), params, (size_t) n_need + 1);
+        tokens = kvp_tool_tokens(llama_model_get_vocab(model), params.text_file, params.seed, (size_t) n_need + 1);
     } catch (const std::exception & e) {
         fprintf(stderr, "kvbench: %s\n", e.what());
         llama_model_free(model);

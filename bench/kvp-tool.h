@@ -1,0 +1,112 @@
+// kvp-tool.h - what the benchmark and check binaries on the llama.h + llama-kvp.h API share: integer arguments, the
+// test tokens and a prompt's prefill as a policy wants it (guided chunks first where it guides).
+
+#pragma once
+
+#include "llama.h"
+#include "llama-kvp.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// "N[,N..]": integers >= min_value; throws with a message naming the flag
+static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
+    std::vector<int32_t> res;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+        char * end = nullptr;
+        errno = 0;
+        const long x = strtol(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || errno != 0 || x < min_value || x > INT32_MAX) {
+            throw std::invalid_argument(flag + ": expected integers >= " + std::to_string(min_value) + ", got '" + s + "'");
+        }
+        res.push_back((int32_t) x);
+    }
+    if (res.empty()) {
+        throw std::invalid_argument(flag + ": expected a value");
+    }
+    return res;
+}
+
+static inline int32_t kvp_tool_parse_int(const std::string & flag, const std::string & s, int32_t min_value) {
+    const auto v = kvp_tool_parse_list(flag, s, min_value);
+    if (v.size() != 1) {
+        throw std::invalid_argument(flag + ": expected one integer, got '" + s + "'");
+    }
+    return v[0];
+}
+
+// n test tokens: the text file's tokens repeated, or (no file) random tokens from seed, without control or
+// end-of-generation tokens
+static inline std::vector<llama_token> kvp_tool_tokens(const llama_vocab * vocab, const std::string & text_file, uint32_t seed, size_t n) {
+    std::vector<llama_token> base;
+    if (!text_file.empty()) {
+        std::ifstream in(text_file, std::ios::binary);
+        if (!in) {
+            throw std::invalid_argument("-f: cannot read " + text_file);
+        }
+        std::stringstream ss;
+        ss << in.rdbuf();
+        const std::string text = ss.str();
+        base.resize(text.size() + 16);
+        const int32_t k = llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), base.data(), (int32_t) base.size(), false, false);
+        if (k <= 0) {
+            throw std::invalid_argument("-f: no tokens in " + text_file);
+        }
+        base.resize(k);
+    } else {
+        std::mt19937 rng(seed);
+        const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+        std::uniform_int_distribution<int32_t> dist(0, n_vocab - 1);
+        base.resize(std::max<size_t>(n, 1));
+        for (auto & t : base) {
+            do {
+                t = dist(rng);
+            } while (llama_vocab_is_control(vocab, t) || llama_vocab_is_eog(vocab, t));
+        }
+    }
+    std::vector<llama_token> res(n);
+    for (size_t i = 0; i < n; ++i) {
+        res[i] = base[i % base.size()];
+    }
+    return res;
+}
+
+// decodes tokens at positions pos0.. of sequence 0 as a prompt in batches of n_batch (guided chunks first when
+// guided); the logits of the last token only
+static inline void kvp_tool_prefill(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_batch, bool guided) {
+    int32_t i0 = 0;
+    if (guided && n > 1) {
+        i0 = llama_kvp_prefill_guided(ctx, tokens, n, pos0);
+        if (i0 < 0) {
+            throw std::runtime_error(std::string("guided prefill failed: ") + llama_kvp_last_error());
+        }
+    }
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    for (; i0 < n; i0 += n_batch) {
+        const int32_t m = std::min(n_batch, n - i0);
+        batch.n_tokens = m;
+        for (int32_t j = 0; j < m; ++j) {
+            batch.token[j]     = tokens[i0 + j];
+            batch.pos[j]       = pos0 + i0 + j;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j]    = i0 + j == n - 1;
+        }
+        if (llama_decode(ctx, batch) != 0) {
+            llama_batch_free(batch);
+            throw std::runtime_error("llama_decode failed at position " + std::to_string(pos0 + i0));
+        }
+    }
+    llama_batch_free(batch);
+}
