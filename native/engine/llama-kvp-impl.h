@@ -353,6 +353,9 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
 
 // cell idx of KV layer ikv now holds pos with this accumulated score (a cell filled by a fate stage)
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
+// the same for n cells at once (one read and one write of the span they cover)
+void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
+                                   const float * score, size_t n);
 
 // exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);

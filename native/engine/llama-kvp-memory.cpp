@@ -628,14 +628,18 @@ void llama_kvp_memory::compact(int32_t ikv) {
     if (st) {
         llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
     }
+    std::vector<llama_pos> to_pos(from.size());
+    std::vector<float>     to_score(from.size());
     for (size_t i = 0; i < from.size(); ++i) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, from[i]);
         llama_kvp_kv_access::cell_rm(*L.kv, from[i]);
         llama_kvp_kv_access::cell_set(*L.kv, to[i], p, seq_cur);
-        if (st) {
-            const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
-            llama_kvp_obs_cell_set_score(st, ikv, to[i], p, seen ? acc[from[i]] : 0.0f);
-        }
+        const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
+        to_pos[i]   = p;
+        to_score[i] = seen ? acc[from[i]] : 0.0f;
+    }
+    if (st) {
+        llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size());
     }
 }
 

@@ -1015,9 +1015,12 @@ int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vecto
         return 0;
     }
     llama_kvp_sync(st);
-    std::vector<float> row(n_kv);
+    // every head's row in one read (one transfer where the mass lives in device memory)
+    const size_t row_stride = L.mass->nb[1]/sizeof(float);
+    std::vector<float> rows((size_t) (st->n_head - 1)*row_stride + n_kv);
+    ggml_backend_tensor_get(L.mass, rows.data(), 0, rows.size()*sizeof(float));
     for (int32_t h = 0; h < st->n_head; ++h) {
-        ggml_backend_tensor_get(L.mass, row.data(), (size_t) h*L.mass->nb[1], (size_t) n_kv*sizeof(float));
+        const float * row = rows.data() + (size_t) h*row_stride;
         for (int32_t j = 0; j < n_kv; ++j) {
             mass[j] += row[j];
         }
@@ -1174,14 +1177,39 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
 }
 
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score) {
+    llama_kvp_obs_cells_set_score(st, ikv, &idx, &pos, &score, 1);
+}
+
+void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
+                                   const float * score, size_t n) {
     auto & L = st->layers[ikv];
-    if (!st->observing() || !L.mass_acc || (int32_t) idx >= L.n_cells) {
+    if (!st->observing() || !L.mass_acc) {
         return;
     }
+    uint32_t lo = UINT32_MAX;
+    uint32_t hi = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if ((int32_t) idx[i] < L.n_cells) {
+            lo = std::min(lo, idx[i]);
+            hi = std::max(hi, idx[i]);
+        }
+    }
+    if (lo > hi) {
+        return;
+    }
+    // the span of the cells in one read and one write (two transfers where the scores live in device memory)
     llama_kvp_sync(st);
-    ggml_backend_tensor_set(L.mass_acc, &score, (size_t) idx*sizeof(float), sizeof(float));
-    L.cell_pos_obs[idx] = pos;
-    L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx + 1);
+    std::vector<float> span(hi - lo + 1);
+    ggml_backend_tensor_get(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    for (size_t i = 0; i < n; ++i) {
+        if ((int32_t) idx[i] >= L.n_cells) {
+            continue;
+        }
+        span[idx[i] - lo] = score[i];
+        L.cell_pos_obs[idx[i]] = pos[i];
+        L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx[i] + 1);
+    }
+    ggml_backend_tensor_set(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
 }
 
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {

@@ -118,10 +118,12 @@ static uint32_t llama_kvp_host_restore(llama_kvp_memory & mem, int32_t ikv, llam
     std::vector<int32_t> cell;
     mem.cells_restore(ikv, pos, cell);
 
-    std::vector<uint32_t> idx;
-    std::vector<size_t>   done;
-    std::vector<uint8_t>  kb;
-    std::vector<uint8_t>  vb;
+    std::vector<uint32_t>  idx;
+    std::vector<size_t>    done;
+    std::vector<uint8_t>   kb;
+    std::vector<uint8_t>   vb;
+    std::vector<llama_pos> back_pos;
+    std::vector<float>     back_score;
     for (size_t i = 0; i < which.size(); ++i) {
         if (cell[i] < 0) {
             continue;
@@ -131,9 +133,11 @@ static uint32_t llama_kvp_host_restore(llama_kvp_memory & mem, int32_t ikv, llam
         done.push_back(e);
         kb.insert(kb.end(), S.k.begin() + e*S.row_k, S.k.begin() + (e + 1)*S.row_k);
         vb.insert(vb.end(), S.v.begin() + e*S.row_v, S.v.begin() + (e + 1)*S.row_v);
-        if (mem.st) {
-            llama_kvp_obs_cell_set_score(mem.st, ikv, (uint32_t) cell[i], S.pos[e], S.score[e]);
-        }
+        back_pos.push_back(S.pos[e]);
+        back_score.push_back(S.score[e]);
+    }
+    if (mem.st) {
+        llama_kvp_obs_cells_set_score(mem.st, ikv, idx.data(), back_pos.data(), back_score.data(), idx.size());
     }
     const uint32_t size = L.kv->get_size();
     llama_kvp_cells_write(llama_kvp_kv_access::layer_k(*L.kv, 0), false, size, idx, kb.data());

@@ -217,6 +217,9 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         std::vector<llama_kvp_cell> leaving;
         std::vector<llama_pos>      back;
         std::vector<float>          back_score;
+        std::vector<uint32_t>       stay_idx;
+        std::vector<llama_pos>      stay_pos;
+        std::vector<float>          stay_score;
         for (size_t j = 0; j < n; ++j) {
             const bool active = cells[j].idx != UINT32_MAX;
             if (active && !keep[j]) {
@@ -225,9 +228,12 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
                 back.push_back(cells[j].pos);
                 back_score.push_back(raw_mass[j]);
             } else if (active) {
-                llama_kvp_obs_cell_set_score(st, ikv, cells[j].idx, cells[j].pos, raw_mass[j]);
+                stay_idx.push_back(cells[j].idx);
+                stay_pos.push_back(cells[j].pos);
+                stay_score.push_back(raw_mass[j]);
             }
         }
+        llama_kvp_obs_cells_set_score(st, ikv, stay_idx.data(), stay_pos.data(), stay_score.data(), stay_idx.size());
         llama_kvp_host_freeze(mem, ikv, leaving, std::vector<int32_t>(leaving.size(), 0));
         const uint32_t used = llama_kvp_kv_access::n_used(*L.kv);
         llama_kvp_host_thaw_pos(mem, ikv, back, back_score, size > used + 1 ? size - used - 1 : 0);
