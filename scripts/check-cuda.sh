@@ -3,7 +3,7 @@
 #
 #   bash scripts/check-cuda.sh            # (a) compile-check the project's CUDA sources and the ggml CUDA kernels its
 #                                         #     graphs run on, against the patched tree, for sm_90 and sm_86
-#   bash scripts/check-cuda.sh --full     # (b) the whole -DGGML_CUDA=ON build of the patched libllama, timed
+#   bash scripts/check-cuda.sh --full     # (b) the whole -DGGML_CUDA=ON build of the patched libllama and the tools, timed
 #
 # Options: --arch "90;86" (CMAKE_CUDA_ARCHITECTURES), --full, -j N (parallel jobs, default: the CPU count).
 # Without nvcc it prints one line and exits 0 (CI runs it when nvcc is present). cuBLAS headers and libraries come
@@ -87,8 +87,9 @@ echo "check-cuda: configured $BUILD in $(( $(date +%s) - t0 )) s"
 
 if [ "$FULL" = 1 ]; then
     t0=$(date +%s)
-    cmake --build "$BUILD" --target llama kvbench -j "$JOBS"
-    echo "check-cuda: full CUDA build of libllama + kvbench for sm_$ARCH in $(( $(date +%s) - t0 )) s ($JOBS jobs)"
+    cmake --build "$BUILD" --target llama kvbench sparse-attn-check sparse-attn-perf kvp-backend-check -j "$JOBS"
+    echo "check-cuda: full CUDA build of libllama + kvbench and the check tools for sm_$ARCH in $(( $(date +%s) - t0 )) s ($JOBS jobs)"
+    echo "check-cuda: for a GPU session: bash scripts/gpu-kit.sh --prebuilt $BUILD"
     exit 0
 fi
 

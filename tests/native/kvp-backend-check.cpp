@@ -36,6 +36,7 @@ struct check_params {
     int32_t                  n_gen       = 32;
     int32_t                  n_batch     = 512;
     int32_t                  n_threads   = 0;
+    int32_t                  n_gpu_layers = 999;
     double                   max_kl      = 0.02;
     double                   min_jaccard = 0.9;
     bool                     perturb     = false;
@@ -63,6 +64,8 @@ static void check_usage(const char * argv0) {
     printf("  -n, --n-gen N         decode steps compared after the prompt (default 32)\n");
     printf("  -b, --batch-size N    logical and physical batch size (default 512)\n");
     printf("  -t, --threads N       CPU threads (default: the hardware threads)\n");
+    printf("  -ngl, --n-gpu-layers N  layers the other side offloads to the GPU (default: all; fewer: a cache split\n");
+    printf("                        between the GPU and the host)\n");
     printf("  --max-kl X            largest mean KL(CPU || GPU) a policy may show (default 0.02)\n");
     printf("  --min-jaccard X       smallest mean Jaccard index of the layers' positions (default 0.9)\n");
     printf("  --perturb             the other side gets 20%% less budget: the bars must then fail (checks the checker)\n");
@@ -104,6 +107,8 @@ static int check_parse_args(int argc, char ** argv, check_params & params) {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
             params.n_threads = kvp_tool_parse_int(arg, value(), 1);
+        } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
+            params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "--max-kl") {
             params.max_kl = check_parse_double(arg, value());
         } else if (arg == "--min-jaccard") {
@@ -310,7 +315,7 @@ int main(int argc, char ** argv) {
     llama_model_params mp_cpu = llama_model_default_params();
     mp_cpu.n_gpu_layers = 0;
     llama_model_params mp_gpu = llama_model_default_params();
-    mp_gpu.n_gpu_layers = gpu ? 999 : 0;
+    mp_gpu.n_gpu_layers = gpu ? params.n_gpu_layers : 0;
     llama_model * model_cpu = llama_model_load_from_file(params.model.c_str(), mp_cpu);
     llama_model * model_gpu = model_cpu ? llama_model_load_from_file(params.model.c_str(), mp_gpu) : nullptr;
     if (!model_cpu || !model_gpu) {
@@ -320,8 +325,8 @@ int main(int argc, char ** argv) {
     }
 
     int rc = 0;
-    printf("{\n  \"gpu\": %s,\n  \"n_prompt\": %d,\n  \"n_gen\": %d,\n  \"perturb\": %s,\n  \"max_kl\": %g,\n  \"min_jaccard\": %g,\n  \"policies\": [\n",
-           gpu ? check_json_str(gpu_name).c_str() : "null", params.n_prompt, params.n_gen, params.perturb ? "true" : "false",
+    printf("{\n  \"gpu\": %s,\n  \"n_gpu_layers\": %d,\n  \"n_prompt\": %d,\n  \"n_gen\": %d,\n  \"perturb\": %s,\n  \"max_kl\": %g,\n  \"min_jaccard\": %g,\n  \"policies\": [\n",
+           gpu ? check_json_str(gpu_name).c_str() : "null", gpu ? params.n_gpu_layers : 0, params.n_prompt, params.n_gen, params.perturb ? "true" : "false",
            params.max_kl, params.min_jaccard);
     for (size_t k = 0; k < pols.size(); ++k) {
         const llama_kvp_policy & pol = pols[k];
