@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#define SPARSE_ATTN_NWARPS 4         // warps per thread block
+#define SPARSE_ATTN_NWARPS 16        // warps per thread block (one block per SM at a prompt ubatch's grid: the warps hide the latency)
 #define SPARSE_ATTN_KT     WARP_SIZE // keys per chunk: one key per lane when computing the scores
 #define SPARSE_ATTN_D_MAX  256       // largest supported DK and DV
 #define SPARSE_ATTN_B_MAX  128       // largest supported q_block and k_block
@@ -60,7 +60,7 @@ struct sparse_attn_params {
 
 // query rows per warp in one pass: D_MAX is the power of 2 that holds both DK and DV
 static constexpr __host__ __device__ int sparse_attn_rows_per_warp(const int D_MAX) {
-    return D_MAX <= 128 ? 8 : 4;
+    return D_MAX <= 128 ? 2 : 1;
 }
 
 static constexpr __host__ __device__ int sparse_attn_rows_pass(const int D_MAX) {
