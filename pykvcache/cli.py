@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
                                "by default (--random: random tokens).")
 
+    sub.add_parser("backend-check", add_help=False, help="run the policies on the CPU and on a GPU over the same tokens "
+                   "and compare them; see `pykvcache backend-check --help`",
+                   description="Runs the kvp-backend-check binary with the given flags, on the embedded model and the "
+                               "essay corpus by default (--random: random tokens).")
+
     d = sub.add_parser("demo", help="a long document through a retention policy and the full cache, side by side",
                        description="Reads a long document (4k tokens of essays by default) with a fact buried in it, "
                                    "asks about the fact, and compares a retention policy with the full cache: answer, "
@@ -195,19 +200,20 @@ def kvbench_path() -> Path:
     return tool_path("kvbench")
 
 
-def cmd_bench(argv: List[str]) -> int:
-    """Run kvbench with argv, on the embedded model and the essays (unless -m / -f / --random say otherwise)."""
-    exe = kvbench_path()
+def _run_tool(name: str, argv: List[str]) -> int:
+    """Run the installed binary `name` with argv, on the embedded model and the essays unless -m / -f / --random say
+    otherwise."""
+    exe = tool_path(name)
     if not exe.is_file():
-        print(f"pykvcache: error: kvbench is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
+        print(f"pykvcache: error: {name} is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
         return 2
     env = dict(os.environ)
     argv = list(argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
-    if not wants_help and not any(a in ("-m", "--model") for a in argv) and "PYKVCACHE_MODEL" not in env:
+    if not wants_help and not any(a in ("-m", "--model") for a in argv):
         from .llama import default_model_path
 
-        env["PYKVCACHE_MODEL"] = default_model_path()
+        argv += ["-m", env.get("PYKVCACHE_MODEL") or default_model_path()]
     if "--random" in argv:
         argv.remove("--random")
     elif not wants_help and not any(a in ("-f", "--file") for a in argv):
@@ -215,6 +221,16 @@ def cmd_bench(argv: List[str]) -> int:
 
         argv += ["-f", str(corpus.essays_file())]
     return subprocess.run([str(exe)] + argv, env=env).returncode
+
+
+def cmd_bench(argv: List[str]) -> int:
+    """Run kvbench with argv, on the embedded model and the essays (unless -m / -f / --random say otherwise)."""
+    return _run_tool("kvbench", argv)
+
+
+def cmd_backend_check(argv: List[str]) -> int:
+    """Run kvp-backend-check with argv (policies on the CPU against the GPU), on the embedded model and the essays."""
+    return _run_tool("kvp-backend-check", argv)
 
 
 def _floats(s: Optional[str]) -> Optional[List[float]]:
@@ -256,6 +272,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
+    if argv[:1] == ["backend-check"]:
+        return cmd_backend_check(argv[1:])
     if argv[:1] == ["rpc-server"]:
         from .rpc import main as rpc_main
 

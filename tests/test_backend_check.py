@@ -6,6 +6,8 @@ device sessions run it through scripts/gpu-session.sh) every policy must be with
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from native_tools import run_tool
 from pykvcache.corpus import essays_file
@@ -50,3 +52,16 @@ def test_backend_check_help_and_bad_arguments():
     assert p.returncode == 1 and "budgt" in p.stderr
     p = run_tool("kvp-backend-check", "-p", "0")
     assert p.returncode == 1 and "-p" in p.stderr
+
+
+def test_pykvcache_backend_check_wraps_the_tool():
+    # the embedded model and the essays by default, as `pykvcache bench`
+    p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "backend-check", "-p", "256", "-n", "2", "-t", "2",
+                        "--policy", "sink_recent:n_recent=60"], capture_output=True, text=True, timeout=300, cwd="/")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["n_prompt"] == 256 and out["pass"]
+    assert [r["policy"].split(":")[0] for r in out["policies"]] == ["sink_recent"]
+    p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "backend-check", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd="/")
+    assert p.returncode == 0 and "--min-jaccard" in p.stdout
