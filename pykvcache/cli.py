@@ -207,20 +207,19 @@ def _run_tool(name: str, argv: List[str]) -> int:
     if not exe.is_file():
         print(f"pykvcache: error: {name} is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
         return 2
-    env = dict(os.environ)
     argv = list(argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
     if not wants_help and not any(a in ("-m", "--model") for a in argv):
         from .llama import default_model_path
 
-        argv += ["-m", env.get("PYKVCACHE_MODEL") or default_model_path()]
+        argv += ["-m", os.environ.get("PYKVCACHE_MODEL") or default_model_path()]
     if "--random" in argv:
         argv.remove("--random")
     elif not wants_help and not any(a in ("-f", "--file") for a in argv):
         from . import corpus
 
         argv += ["-f", str(corpus.essays_file())]
-    return subprocess.run([str(exe)] + argv, env=env).returncode
+    return subprocess.run([str(exe)] + argv).returncode
 
 
 def cmd_bench(argv: List[str]) -> int:
