@@ -116,7 +116,9 @@ class EntropyLayerBudget(RetentionPolicy):
     `pool_max` share of the top-k goes to whole spans of `span_pool` tokens around the best-attended tokens (a
     number, a name), the rest of the top-k, and all of it in the other layers, by the average over `pool`
     positions; in the last `fill_share` of the layers holes of up to `fill` tokens between better-scored tokens are
-    filled. With `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
+    filled. The spans rank by the decayed sum of the observations, the other tokens by a `fresh` share of the last
+    observation alone; each token's mass is weighted by the norm of its value vectors to the power `vnorm`. With
+    `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -129,13 +131,14 @@ class EntropyLayerBudget(RetentionPolicy):
     n_recent: int = 16
     topk_share: float = 1.0
     window: int = 32
-    pool: int = 5
+    pool: int = 3
     pool_max: float = 0.25
     span_pool: int = 9
     span_share: float = 1.0
     fill: int = 4
     fill_share: float = 0.5
-    vnorm: float = 0.0
+    vnorm: float = 1.0
+    fresh: float = 1.0
     every: int = 16
     decay: float = 0.5
     chunk: int = 128

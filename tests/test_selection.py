@@ -12,22 +12,28 @@ from pykvcache import H2O, PolicyError, SinkRecent, SnapKV, parse_policy
 from pykvcache._native import last_error, native
 
 
-def select(policy, mass, n_keep, il=0, n_layer=1, value=None):
-    """Cells kept by layer il of n_layer (the only layer by default), with the value norms of the tokens (all 1)."""
+def select(policy, mass, n_keep, il=0, n_layer=1, value=None, last=None):
+    """Cells kept by layer il of n_layer (the only layer by default), with the value norms of the tokens (all 1) and
+    the mass of the last observation alone (the same as mass)."""
     ffi, lib = native()
     m = np.ascontiguousarray(mass, dtype=np.float32)
     v = ffi.NULL if value is None else ffi.cast("float *", ffi.from_buffer(np.ascontiguousarray(value, dtype=np.float32)))
+    lm = ffi.NULL if last is None else ffi.cast("float *", ffi.from_buffer(np.ascontiguousarray(last, dtype=np.float32)))
     keep = np.zeros(len(m), dtype=np.int32)
-    rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), v,
+    rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), lm, v,
                                      len(m), n_keep, ffi.cast("int32_t *", ffi.from_buffer(keep)))
     if rc != 0:
         raise PolicyError(last_error())
     return np.flatnonzero(keep)
 
 
-def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool, fill=0):
-    """numpy twin of the window score stage's selection (float32 as the engine computes it)."""
+def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max, span_pool, fill=0, last=None,
+                     fresh=1.0):
+    """numpy twin of the window score stage's selection (float32 as the engine computes it); with `last` the average
+    ranks fresh x the last observation + (1 - fresh) x the decayed sum, the spans the sum."""
     mass = np.asarray(mass, dtype=np.float32)
+    base = mass if last is None else (np.float32(fresh) * np.asarray(last, dtype=np.float32)
+                                      + np.float32(1 - fresh) * mass).astype(np.float32)
     n = len(mass)
     if n <= n_keep:
         return np.arange(n)
@@ -43,11 +49,11 @@ def select_reference(mass, n_keep, n_sink, n_recent, topk_share, pool, pool_max,
         a, b = max(0, j - ra), min(n - 1, j + ra)
         s = np.float32(0)
         for k in range(a, b + 1):
-            s = np.float32(s + mass[k])
+            s = np.float32(s + base[k])
         avg[j] = np.float32(s / np.float32(b - a + 1))
         mx[j] = max(np.float32(0), mass[max(0, j - rm):j + rm + 1].max())
     if ra == 0 and rm == 0:
-        score = mass
+        score = base
     elif pool_max >= 1:
         score = mx
     else:
@@ -176,9 +182,35 @@ def test_value_norms_discount_attention_to_near_zero_values():
     mass = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
     value = rng.integers(1, 16, 500).astype(np.float32) / 4
     for vnorm in (1, 2):
-        pol = parse_policy(f"entropy:vnorm={vnorm}")
+        pol = parse_policy(f"entropy:vnorm={vnorm},pool=5")
         got = select(pol, mass, 60, 29, 30, value=value)
         want = select_reference(mass * value**vnorm, 60, 4, 16, 1.0, 5, 0.25, 9, fill=4)
+        assert got.tolist() == want.tolist()
+
+
+def test_fresh_ranks_spans_by_the_sum_and_the_rest_by_the_last_observation():
+    # the decayed sum remembers a fact (50) the prompt's question attended and old tokens (100-107) the text has moved
+    # on from; the last observation attends the fact no more and newer tokens (150-157) instead. With fresh the span
+    # around the fact stays (the sum ranks spans) and the rest of the top-k follows the last observation
+    mass = spiky_mass(200, {50: 0.5, **{p: 0.05 for p in range(100, 108)}, **{p: 0.02 for p in range(150, 158)}})
+    last = spiky_mass(200, {**{p: 0.05 for p in range(150, 158)}})
+    last[100:108] = 0.0
+    fact = set(range(48, 53))
+    summed = parse_policy("snapkv:pool=1+window:n_recent=1,pool_max=0.3,span_pool=5")
+    fresh = parse_policy("snapkv:pool=1+window:n_recent=1,pool_max=0.3,span_pool=5,fresh=1")
+    kept_sum = set(select(summed, mass, 14, last=last))
+    kept_fresh = set(select(fresh, mass, 14, last=last))
+    assert fact <= kept_sum and set(range(100, 108)) <= kept_sum and not kept_sum & set(range(150, 158))
+    assert fact <= kept_fresh and set(range(150, 158)) <= kept_fresh and not kept_fresh & set(range(100, 108))
+    assert set(select(fresh, mass, 14)) == kept_sum  # no last observation given: the same as the sum
+    # against the numpy twin on random scores, with the preset's spans and filled holes
+    rng = np.random.default_rng(11)
+    for pool, fresh in ((1, 1.0), (3, 0.5), (5, 1.0)):
+        mass = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
+        last = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
+        pol = parse_policy(f"entropy:fresh={fresh},pool={pool}")
+        got = select(pol, mass, 60, 29, 30, last=last)
+        want = select_reference(mass, 60, 4, 16, 1.0, pool, 0.25, 9, fill=4, last=last, fresh=fresh)
         assert got.tolist() == want.tolist()
 
 
@@ -210,5 +242,8 @@ def test_bad_selection_input():
     for bad in ("-1", "5"):
         with pytest.raises(PolicyError, match=r"vnorm must be in \[0, 4\]"):
             parse_policy(f"entropy:vnorm={bad}")
+    for bad in ("-0.5", "2"):
+        with pytest.raises(PolicyError, match=r"fresh must be in \[0, 1\]"):
+            parse_policy(f"entropy:fresh={bad}")
     with pytest.raises(PolicyError, match="0 <= il < n_layer"):
         select(SnapKV(budget=0.1), np.zeros(10), 5, il=3, n_layer=3)

@@ -78,7 +78,8 @@ struct llama_kvp_obs_layer {
 
     ggml_tensor * q_ring   = nullptr; // F32 [n_embd_head*n_head, window]  last post-RoPE queries, slot = pos % window
     ggml_tensor * mass     = nullptr; // F32 [n_cells, n_head]             mean attention of the window queries
-    ggml_tensor * mass_acc = nullptr; // F32 [n_cells]                     decayed sum of the head-mean mass
+    ggml_tensor * mass_acc = nullptr; // F32 [n_cells, 2]                  decayed sum of the head-mean mass; the last
+                                      //                                   observation's head-mean mass (row 1)
     ggml_tensor * entropy  = nullptr; // F32 [n_head]                      mean entropy of the window queries (nats)
 
     std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
@@ -331,8 +332,10 @@ void llama_kvp_sync(llama_kvp_context * st);
 // folds new prompt observations into the per-layer mean entropy; true if there was one (out: mean per layer)
 bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);
 
-// accumulated mass and the position each cell held when it was observed, of KV layer ikv (synchronizes)
-void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos);
+// accumulated mass and the position each cell held when it was observed, of KV layer ikv, and with `last` the mass of
+// the last observation alone (synchronizes)
+void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos,
+                                std::vector<float> * last = nullptr);
 
 // head-mean attention mass of the cells of KV layer ikv at the last observation (averaged over its valid window
 // queries) and the position each cell held then (synchronizes); returns the cells covered
@@ -351,11 +354,13 @@ void llama_kvp_obs_reset(llama_kvp_context * st);
 // head-major within a row, and their positions in qpos when not null; returns n (0 without an observation ring)
 int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q, std::vector<llama_pos> * qpos = nullptr);
 
-// cell idx of KV layer ikv now holds pos with this accumulated score (a cell filled by a fate stage)
+// cell idx of KV layer ikv now holds pos with this accumulated score, also its last observation (a cell filled by a
+// fate stage)
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
-// the same for n cells at once (one read and one write of the span they cover)
+// the same for n cells at once (one read and one write of the span they cover), with their last observations (null:
+// the scores)
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
-                                   const float * score, size_t n);
+                                   const float * score, size_t n, const float * last = nullptr);
 
 // exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);

@@ -466,10 +466,14 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     const uint32_t n_topk = n_keep - n_sink - n_recent;
     if (n_topk > 0 && st && stage_score->observes()) {
         std::vector<float> acc;
+        std::vector<float> last;
         std::vector<llama_pos> obs_pos;
-        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
+        const bool use_last = stage_score->uses_last(policy);
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr);
         for (auto & c : cells) {
-            c.score = (c.idx < acc.size() && obs_pos[c.idx] == c.pos) ? acc[c.idx] : 0.0f;
+            const bool seen = c.idx < acc.size() && obs_pos[c.idx] == c.pos;
+            c.score = seen ? acc[c.idx] : 0.0f;
+            c.last  = seen && use_last ? last[c.idx] : c.score;
         }
         if (stage_score->uses_values(policy)) {
             value_norms(ikv, cells);
@@ -624,22 +628,25 @@ void llama_kvp_memory::compact(int32_t ikv) {
     llama_kvp_cells_write(vt, v_trans, size, to, vb.data());
 
     std::vector<float>     acc;
+    std::vector<float>     last;
     std::vector<llama_pos> obs_pos;
     if (st) {
-        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos);
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, &last);
     }
     std::vector<llama_pos> to_pos(from.size());
     std::vector<float>     to_score(from.size());
+    std::vector<float>     to_last(from.size());
     for (size_t i = 0; i < from.size(); ++i) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, from[i]);
         llama_kvp_kv_access::cell_rm(*L.kv, from[i]);
         llama_kvp_kv_access::cell_set(*L.kv, to[i], p, seq_cur);
         const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
         to_pos[i]   = p;
-        to_score[i] = seen ? acc[from[i]] : 0.0f;
+        to_score[i] = seen ? acc[from[i]]  : 0.0f;
+        to_last[i]  = seen ? last[from[i]] : 0.0f;
     }
     if (st) {
-        llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size());
+        llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size(), to_last.data());
     }
 }
 

@@ -173,7 +173,7 @@ static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_c
     L.ctx.reset(ctx);
     L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, st->policy.window);
     L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->n_head);
-    L.mass_acc = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_cells);
+    L.mass_acc = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, 2);
     L.entropy  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_head);
     ggml_format_name(L.q_ring,   "kvp_q_ring-%d",   L.il);
     ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
@@ -839,6 +839,17 @@ ggml_tensor * llama_kvp_graph_observed_attn(
     return cur;
 }
 
+// an observation of the n_kv first cells (head-mean mass m [n_kv]): the decayed sum in row 0 of mass_acc (keep: the
+// decay where a cell still holds its token, else 0) and the observation itself in row 1
+static void llama_kvp_obs_accumulate(ggml_context * ctx0, ggml_cgraph * gf, llama_kvp_obs_layer & L, int64_t n_kv,
+                                     ggml_tensor * keep, ggml_tensor * m) {
+    ggml_tensor * acc_dst  = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
+    ggml_tensor * last_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, L.mass_acc->nb[1]);
+    ggml_tensor * acc      = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, keep), m);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, m, last_dst));
+}
+
 void llama_kvp_graph_observe(
         const llm_graph_context & gctx,
                     ggml_tensor * q,
@@ -903,9 +914,7 @@ void llama_kvp_graph_observe(
         ggml_tensor * w  = ggml_view_2d(ctx0, inp->weights_h, 1, W, inp->weights_h->nb[1], 0);    // [1, W]
         ggml_tensor * mw = ggml_out_prod(ctx0, ggml_mul(ctx0, rows, cells.rsel), w);            // [n_kv, 1]
         mw = ggml_reshape_1d(ctx0, mw, n_kv);
-        ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
-        ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, cells.keep), mw);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+        llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mw);
         return;
     }
     if (!inp->obs) {
@@ -955,9 +964,7 @@ void llama_kvp_graph_observe(
     // decayed accumulation of the head-mean mass
     ggml_tensor * mh = ggml_out_prod(ctx0, mass, inp->head_w);                 // [n_kv, 1]
     mh = ggml_reshape_1d(ctx0, mh, n_kv);
-    ggml_tensor * acc_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
-    ggml_tensor * acc     = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, cells.keep), mh);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
+    llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mh);
 }
 
 //
@@ -992,15 +999,22 @@ bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out) {
     return true;
 }
 
-void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos) {
+void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos,
+                                std::vector<float> * last) {
     const auto & L = st->layers[ikv];
     acc.assign(L.n_cells, 0.0f);
     obs_pos.assign(L.n_cells, -2);
+    if (last) {
+        last->assign(L.n_cells, 0.0f);
+    }
     if (!st->observing() || L.n_kv_obs <= 0) {
         return;
     }
     llama_kvp_sync(st);
     ggml_backend_tensor_get(L.mass_acc, acc.data(), 0, (size_t) L.n_kv_obs*sizeof(float));
+    if (last) {
+        ggml_backend_tensor_get(L.mass_acc, last->data(), L.mass_acc->nb[1], (size_t) L.n_kv_obs*sizeof(float));
+    }
     for (int32_t j = 0; j < L.n_kv_obs; ++j) {
         obs_pos[j] = L.cell_pos_obs[j];
     }
@@ -1044,7 +1058,7 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     // keep the query ring, the entropy and the scores of the moved cells
     std::vector<float> ring(ggml_nelements(L.q_ring));
     std::vector<float> ent(ggml_nelements(L.entropy));
-    std::vector<float> acc(L.n_cells);
+    std::vector<float> acc(2*(size_t) L.n_cells); // both rows: the decayed sum and the last observation
     ggml_backend_tensor_get(L.q_ring,   ring.data(), 0, ring.size()*sizeof(float));
     ggml_backend_tensor_get(L.entropy,  ent.data(),  0, ent.size()*sizeof(float));
     ggml_backend_tensor_get(L.mass_acc, acc.data(),  0, acc.size()*sizeof(float));
@@ -1081,12 +1095,13 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
         ggml_backend_tensor_set(L.mass_rows, rows_new.data(), 0, rows_new.size()*sizeof(float));
     }
 
-    std::vector<float> acc_new(n_cells, 0.0f);
+    std::vector<float> acc_new(2*(size_t) n_cells, 0.0f);
     int32_t n_kv_new = 0;
     for (uint32_t j = 0; j < n_cells && j < remap.size(); ++j) {
         const int32_t o = remap[j];
         if (o >= 0 && o < old_n_kv) {
-            acc_new[j]        = acc[o];
+            acc_new[j]           = acc[o];
+            acc_new[n_cells + j] = acc[old_n_cells + o];
             L.cell_pos_obs[j] = old_pos[o];
             n_kv_new = (int32_t) j + 1;
         }
@@ -1105,15 +1120,16 @@ void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const s
     }
     std::map<llama_pos, float> by_pos(scores.begin(), scores.end());
     llama_kv_cache * kv = st->layer_kv(ikv);
-    std::vector<float> acc(L.n_cells, 0.0f);
+    std::vector<float> acc(2*(size_t) L.n_cells, 0.0f); // a restored score is also the cell's last observation
     int32_t n_kv = 0;
     for (int32_t j = 0; j < L.n_cells && j < (int32_t) kv->get_size(); ++j) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) j);
         auto it = p >= 0 ? by_pos.find(p) : by_pos.end();
         L.cell_pos_obs[j] = it != by_pos.end() ? p : -2;
         if (it != by_pos.end()) {
-            acc[j] = it->second;
-            n_kv   = j + 1;
+            acc[j]             = it->second;
+            acc[L.n_cells + j] = it->second;
+            n_kv               = j + 1;
         }
     }
     L.n_kv_obs = n_kv;
@@ -1177,11 +1193,11 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
 }
 
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score) {
-    llama_kvp_obs_cells_set_score(st, ikv, &idx, &pos, &score, 1);
+    llama_kvp_obs_cells_set_score(st, ikv, &idx, &pos, &score, 1, nullptr);
 }
 
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
-                                   const float * score, size_t n) {
+                                   const float * score, size_t n, const float * last) {
     auto & L = st->layers[ikv];
     if (!st->observing() || !L.mass_acc) {
         return;
@@ -1197,19 +1213,24 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
     if (lo > hi) {
         return;
     }
-    // the span of the cells in one read and one write (two transfers where the scores live in device memory)
+    // the span of the cells in each row in one read and one write (transfers where the scores live in device memory)
     llama_kvp_sync(st);
+    const size_t nb1 = L.mass_acc->nb[1];
     std::vector<float> span(hi - lo + 1);
-    ggml_backend_tensor_get(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    std::vector<float> span_last(hi - lo + 1);
+    ggml_backend_tensor_get(L.mass_acc, span.data(),      (size_t) lo*sizeof(float),       span.size()*sizeof(float));
+    ggml_backend_tensor_get(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
     for (size_t i = 0; i < n; ++i) {
         if ((int32_t) idx[i] >= L.n_cells) {
             continue;
         }
-        span[idx[i] - lo] = score[i];
+        span[idx[i] - lo]      = score[i];
+        span_last[idx[i] - lo] = last ? last[i] : score[i];
         L.cell_pos_obs[idx[i]] = pos[i];
         L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx[i] + 1);
     }
-    ggml_backend_tensor_set(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    ggml_backend_tensor_set(L.mass_acc, span.data(),      (size_t) lo*sizeof(float),       span.size()*sizeof(float));
+    ggml_backend_tensor_set(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
 }
 
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {

@@ -59,6 +59,7 @@ static const llama_kvp_key_info k_keys[] = {
     { "fill",       false, offsetof(llama_kvp_policy, fill)       },
     { "fill_share", true,  offsetof(llama_kvp_policy, fill_share) },
     { "vnorm",      true,  offsetof(llama_kvp_policy, vnorm)      },
+    { "fresh",      true,  offsetof(llama_kvp_policy, fresh)      },
     { "slope",      true,  offsetof(llama_kvp_policy, slope)      },
     { "chunk",      false, offsetof(llama_kvp_policy, chunk)      },
     { "guide",      false, offsetof(llama_kvp_policy, guide)      },
@@ -173,6 +174,7 @@ static llama_kvp_policy llama_kvp_policy_base() {
     res.fill       = 0;
     res.fill_share = 0.5f;
     res.vnorm      = 0.0f;
+    res.fresh      = 0.0f;
     res.slope      = 0.5f;
     res.chunk      = 128;
     res.guide      = 0;

@@ -60,6 +60,7 @@ struct llama_kvp_cell {
     uint32_t  idx;
     float     score;
     float     value = 1.0f;
+    float     last  = 0.0f; // for a score stage that uses it: the mass of the last observation alone (score: decayed)
 };
 
 struct llama_kvp_score_stage : llama_kvp_stage {
@@ -70,6 +71,9 @@ struct llama_kvp_score_stage : llama_kvp_stage {
 
     // does scoring need the value norm of each cell (llama_kvp_cell::value)
     virtual bool uses_values(const llama_kvp_policy & p) const { (void) p; return false; }
+
+    // does scoring need the last observation's mass of each cell apart from the decayed sum (llama_kvp_cell::last)
+    virtual bool uses_last(const llama_kvp_policy & p) const { (void) p; return false; }
 
     // the tokens always kept by a layer with this budget: the first n_sink and the last n_recent
     virtual void protect(const llama_kvp_policy & p, uint32_t budget, uint32_t & n_sink, uint32_t & n_recent) const;

@@ -251,7 +251,7 @@ std::vector<uint32_t> llama_kvp_rank_middle(const std::vector<llama_kvp_cell> & 
 }
 
 int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
-                                const float * value, int32_t n, int32_t n_keep, int32_t * keep) {
+                                const float * last, const float * value, int32_t n, int32_t n_keep, int32_t * keep) {
     if (!p || !mass || !keep || n < 0 || n_keep < 1 || n_layer < 1 || il < 0 || il >= n_layer) {
         llama_kvp_set_error("select_tokens: need a policy, non-NULL arrays, 0 <= il < n_layer, n >= 0 and n_keep >= 1");
         return -1;
@@ -276,7 +276,8 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, i
     llama_kvp_clamp_protected((uint32_t) n_keep, n_sink, n_recent);
     std::vector<llama_kvp_cell> cells(n);
     for (int32_t j = 0; j < n; ++j) {
-        cells[j] = { (llama_pos) j, (uint32_t) j, stage->observes() ? mass[j] : 0.0f, value ? value[j] : 1.0f };
+        const float m = stage->observes() ? mass[j] : 0.0f;
+        cells[j] = { (llama_pos) j, (uint32_t) j, m, value ? value[j] : 1.0f, last && stage->observes() ? last[j] : m };
     }
     const uint32_t i0     = n_sink;
     const uint32_t i1     = n - n_recent;

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 14
+#define LLAMA_KVP_API_VERSION 15
 
 #ifdef __cplusplus
 extern "C" {
@@ -112,6 +112,9 @@ struct llama_kvp_policy {
     float   fill_share; // share of the layers, from the last, whose holes are filled, in (0, 1]
     float   vnorm;      // a token's observed mass is weighted by the norm of its value vectors (mean over the KV
                         // heads) to this power, in [0, 4]: 0 = attention only, 1 = attention x value norm (VATP)
+    float   fresh;      // share of the last observation alone in the score of the top-k outside the spans, in [0, 1]
+                        // (the rest: the decayed sum, which alone ranks the spans: a fact the prompt's question
+                        // attended stays): 0 = every token by the decayed sum, 1 = the others by the last observation
     float   slope;      // pyramid: first layer gets budget*(1+slope), last budget*(1-slope), in [0, 1)
     int32_t chunk;      // retention: tokens per prompt ubatch (the headroom of each layer's cache)
     int32_t guide;      // retention: 1 = score each prompt chunk with the prompt's last `window` tokens run behind it
@@ -312,11 +315,11 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
 int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out);
 
-// the tokens layer il of n_layer keeps out of n (in position order, with the observed attention mass of each and the
-// norm of its value vectors, NULL: all 1) when it keeps n_keep of them: keep[j] = 1 or 0 (pure function: the score
-// stage's sinks, recent tokens and top-k by its scores)
+// the tokens layer il of n_layer keeps out of n (in position order, with the observed attention mass of each, the
+// mass of the last observation alone, NULL: the same, and the norm of its value vectors, NULL: all 1) when it keeps
+// n_keep of them: keep[j] = 1 or 0 (pure function: the score stage's sinks, recent tokens and top-k by its scores)
 int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
-                                const float * value, int32_t n, int32_t n_keep, int32_t * keep);
+                                const float * last, const float * value, int32_t n, int32_t n_keep, int32_t * keep);
 
 // --- summarise fate (fate stage `summarise`) ---
 

@@ -17,6 +17,8 @@ class WindowScore(Stage):
     last `span_share` of the layers (the others average only); in the last `fill_share` of the layers a hole of up to
     `fill` tokens between two better-scored tokens also ranks with the weaker of the two (a number is not cut in the
     middle); with `vnorm` > 0 a token's mass is first weighted by the norm of its value vectors to that power (VATP);
+    with `fresh` > 0 the tokens outside the spans rank by that share of the last observation alone and the rest of the
+    decayed sum (which alone ranks the spans);
     keeps `n_sink` sinks, the top `topk_share` of the rest and the most recent tokens (at least `n_recent`).
     """
 
@@ -31,6 +33,7 @@ class WindowScore(Stage):
     fill: Optional[int] = None
     fill_share: Optional[float] = None
     vnorm: Optional[float] = None
+    fresh: Optional[float] = None
     decay: Optional[float] = None
     n_sink: Optional[int] = None
     n_recent: Optional[int] = None

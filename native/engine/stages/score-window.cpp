@@ -12,7 +12,11 @@
 // pooling widens every peak instead; filled holes in every layer cost 13% of the essays' streamed KL at 10%, in the
 // late half 3%). With `vnorm`, a token's mass is first weighted by the norm of its value vectors to that power
 // (VATP: attention to a token whose value is near zero, a sink or a punctuation mark, moves the output little; the
-// norm is the mean over the KV heads, as the mass is the mean over the heads). Kept: n_sink sinks, the top
+// norm is the mean over the KV heads, as the mass is the mean over the heads). With `fresh` > 0 the decay counts in
+// full for the spans alone: they rank by the decayed sum of the observations (a fact the prompt's question attended
+// in every chunk stays), every other token by fresh x the last observation + (1 - fresh) x the sum, so that the rest
+// of the top-k follows a text as it goes on. Measured: the sum is what keeps the needles, the last observation what
+// follows a streamed text (docs/NOTES.md). Kept: n_sink sinks, the top
 // `topk_share` of the rest of the layer budget by score, the most recent tokens for what is left (at least n_recent).
 
 #include "llama-kvp-stage.h"
@@ -24,10 +28,11 @@
 
 struct llama_kvp_score_window : llama_kvp_score_stage {
     llama_kvp_score_window() : llama_kvp_score_stage(LLAMA_KVP_SCORE_WINDOW, LLAMA_KVP_SLOT_SCORE, "window",
-            "window,pool,pool_max,span_pool,span_share,fill,fill_share,vnorm,decay,n_sink,n_recent,topk_share",
+            "window,pool,pool_max,span_pool,span_share,fill,fill_share,vnorm,fresh,decay,n_sink,n_recent,topk_share",
             "attention of the last `window` queries, times the value norm to the power vnorm, pooled over `pool` "
             "positions (a pool_max share of the top-k as whole spans, in the last span_share of the layers; holes of "
-            "up to `fill` tokens closed in the last fill_share)") {}
+            "up to `fill` tokens closed in the last fill_share; the top-k outside the spans by a `fresh` share of the "
+            "last observation)") {}
 
     void defaults(llama_kvp_policy & p) const override {
         p.window     = 32;
@@ -38,6 +43,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         p.fill       = 0;
         p.fill_share = 0.5f;
         p.vnorm      = 0.0f;
+        p.fresh      = 0.0f;
         p.decay      = 0.0f;
         p.n_sink     = 0;
         p.n_recent   = 32;
@@ -74,12 +80,18 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
             snprintf(buf, sizeof(buf), "vnorm must be in [0, 4] (got %g)", (double) p.vnorm);
             return buf;
         }
+        if (!(p.fresh >= 0.0f && p.fresh <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "fresh must be in [0, 1] (got %g)", (double) p.fresh);
+            return buf;
+        }
         return llama_kvp_check_layer_share("fill_share", p.fill_share);
     }
 
     bool observes() const override { return true; }
 
     bool uses_values(const llama_kvp_policy & p) const override { return p.vnorm > 0.0f; }
+
+    bool uses_last(const llama_kvp_policy & p) const override { return p.fresh > 0.0f; }
 
     void score(const llama_kvp_policy & p, int32_t il, int32_t n_layer, uint32_t i0, uint32_t i1, uint32_t n_topk,
                std::vector<llama_kvp_cell> & cells) const override {
@@ -92,12 +104,22 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
         const int32_t n  = (int32_t) cells.size();
         if (p.vnorm > 0.0f) {
             for (auto & c : cells) {
-                c.score *= p.vnorm == 1.0f ? c.value : std::pow(c.value, p.vnorm);
+                const float w = p.vnorm == 1.0f ? c.value : std::pow(c.value, p.vnorm);
+                c.score *= w;
+                c.last  *= w;
             }
+        }
+        // what the average ranks: the decayed sum, and with fresh a share of the last observation alone
+        std::vector<float> base(n);
+        for (int32_t j = 0; j < n; ++j) {
+            base[j] = p.fresh > 0.0f ? p.fresh*cells[j].last + (1.0f - p.fresh)*cells[j].score : cells[j].score;
         }
         const int32_t ra = p.pool/2;                                  // radius of the average
         const int32_t rm = (p.span_pool > 0 ? p.span_pool : p.pool)/2; // radius of the max (the spans)
         if (n == 0 || (ra == 0 && rm == 0)) {
+            for (int32_t j = 0; j < n && pool_max < 1.0f; ++j) {
+                cells[j].score = base[j];
+            }
             llama_kvp_score_fill(fill, cells);
             return;
         }
@@ -112,7 +134,7 @@ struct llama_kvp_score_window : llama_kvp_score_stage {
                 const int32_t b = std::min<int32_t>(n - 1, j + ra);
                 float s = 0.0f;
                 for (int32_t k = a; k <= b; ++k) {
-                    s += cells[k].score;
+                    s += base[k];
                 }
                 avg[j] = s/(b - a + 1);
             }
