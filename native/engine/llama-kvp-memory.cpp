@@ -630,8 +630,9 @@ void llama_kvp_memory::compact(int32_t ikv) {
     std::vector<float>     acc;
     std::vector<float>     last;
     std::vector<llama_pos> obs_pos;
+    const bool use_last = stage_score && stage_score->uses_last(policy);
     if (st) {
-        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, &last);
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr);
     }
     std::vector<llama_pos> to_pos(from.size());
     std::vector<float>     to_score(from.size());
@@ -643,10 +644,11 @@ void llama_kvp_memory::compact(int32_t ikv) {
         const bool seen = from[i] < acc.size() && obs_pos[from[i]] == p;
         to_pos[i]   = p;
         to_score[i] = seen ? acc[from[i]]  : 0.0f;
-        to_last[i]  = seen ? last[from[i]] : 0.0f;
+        to_last[i]  = seen && use_last ? last[from[i]] : 0.0f;
     }
     if (st) {
-        llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size(), to_last.data());
+        llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size(),
+                                      use_last ? to_last.data() : nullptr);
     }
 }
 

@@ -1213,24 +1213,32 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
     if (lo > hi) {
         return;
     }
-    // the span of the cells in each row in one read and one write (transfers where the scores live in device memory)
+    // the span of the cells in one read and one write per row (transfers where the scores live in device memory); the
+    // last observation's row only where it is given or a score stage ranks by it (`fresh`)
     llama_kvp_sync(st);
-    const size_t nb1 = L.mass_acc->nb[1];
+    const bool   row_last = last || st->policy.fresh > 0.0f;
+    const size_t nb1      = L.mass_acc->nb[1];
     std::vector<float> span(hi - lo + 1);
-    std::vector<float> span_last(hi - lo + 1);
-    ggml_backend_tensor_get(L.mass_acc, span.data(),      (size_t) lo*sizeof(float),       span.size()*sizeof(float));
-    ggml_backend_tensor_get(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    std::vector<float> span_last(row_last ? hi - lo + 1 : 0);
+    ggml_backend_tensor_get(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    if (row_last) {
+        ggml_backend_tensor_get(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    }
     for (size_t i = 0; i < n; ++i) {
         if ((int32_t) idx[i] >= L.n_cells) {
             continue;
         }
-        span[idx[i] - lo]      = score[i];
-        span_last[idx[i] - lo] = last ? last[i] : score[i];
+        span[idx[i] - lo] = score[i];
+        if (row_last) {
+            span_last[idx[i] - lo] = last ? last[i] : score[i];
+        }
         L.cell_pos_obs[idx[i]] = pos[i];
         L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx[i] + 1);
     }
-    ggml_backend_tensor_set(L.mass_acc, span.data(),      (size_t) lo*sizeof(float),       span.size()*sizeof(float));
-    ggml_backend_tensor_set(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    ggml_backend_tensor_set(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    if (row_last) {
+        ggml_backend_tensor_set(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
+    }
 }
 
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {
