@@ -19,6 +19,7 @@ class ReferenceAttention:
 
     probs: List[np.ndarray]
     logits: np.ndarray  # [n_tokens, n_vocab] of the last layer
+    value_norms: np.ndarray  # [n_layer, n_tokens]: per token, the mean over the KV heads of its value vector's norm
 
     def entropy(self) -> np.ndarray:
         """Mean entropy (nats) per layer and head, averaged over the window queries: [n_layer, n_head]."""
@@ -90,12 +91,14 @@ def reference_attention(path: "str | Path", tokens: List[int], window: int) -> R
     w0 = max(0, n - window)
 
     probs = []
+    value_norms = []
     for il in range(hp["n_layer"]):
         blk = f"blk.{il}."
         h = _rms_norm(x, weights[blk + "attn_norm.weight"], hp["eps"])
         q = (h @ weights[blk + "attn_q.weight"].T).reshape(n, n_head, d_head)
         k = (h @ weights[blk + "attn_k.weight"].T).reshape(n, n_head_kv, d_head)
         v = (h @ weights[blk + "attn_v.weight"].T).reshape(n, n_head_kv, d_head)
+        value_norms.append(np.linalg.norm(v, axis=-1).mean(axis=-1))
         q = _rope_norm(q, pos, hp["rope_base"])
         k = _rope_norm(k, pos, hp["rope_base"])
         rep = n_head // n_head_kv
@@ -114,4 +117,4 @@ def reference_attention(path: "str | Path", tokens: List[int], window: int) -> R
         x = x + (g / (1.0 + np.exp(-g)) * u) @ weights[blk + "ffn_down.weight"].T
     x = _rms_norm(x, weights["output_norm.weight"], hp["eps"])
     out_w = weights.get("output.weight", emb)
-    return ReferenceAttention(probs=probs, logits=x @ out_w.T)
+    return ReferenceAttention(probs=probs, logits=x @ out_w.T, value_norms=np.array(value_norms))

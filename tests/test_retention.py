@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import PROSE, last_logits
 
-from pykvcache import EntropyLayerBudget, FullCache, H2O, Llama, PolicyError, Pyramid, SinkRecent, SnapKV, corpus
+from pykvcache import (EntropyLayerBudget, FullCache, H2O, Llama, PolicyError, Pyramid, SinkRecent, SnapKV, corpus,
+                       parse_policy)
 
 # bytes of one cached token in one layer of SmolLM2-135M with an f16 cache: (K + V) * 3 KV heads * 64 dims * 2 bytes
 TOKEN_LAYER_BYTES = 2 * 3 * 64 * 2
@@ -81,6 +82,46 @@ def test_decode_observations_sum_the_rows_of_the_window(model_path, flash_attn):
         ref = reference_attention(model_path, tokens, 8).mass().mean(axis=1)
         np.testing.assert_allclose(tel.mass_acc, ref, atol=0.03)
         np.testing.assert_allclose(tel.mass_acc.sum(axis=-1), 1.0, rtol=1e-4)
+
+
+def jaccard(a, b) -> float:
+    a, b = set(a), set(b)
+    return len(a & b) / len(a | b)
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_value_norms_weight_the_eviction_by_the_tokens_values(model_path, essays, flash_attn):
+    """With vnorm an eviction ranks each token by its attention mass times the norm of its value vectors; the
+    observation computes the norms beside the mass, from the cache as the attention reads it (rows per cell with
+    flash attention, transposed without). The kept tokens are a float64 reference's top-k of mass x value norm, not
+    of the mass alone; a state loaded into a new context (no norms known until its next observation) keeps the same
+    tokens at its first eviction, with the norms the host computes from the cache."""
+    from reference_llama import reference_attention
+    from test_selection import select
+
+    spec = "snapkv:budget=48,window=8,pool=1,chunk=256,guide=0+window:vnorm=1"
+    llm = Llama(model_path, n_ctx=512, verbose=False, flash_attn=flash_attn, kv_policy=spec)
+    tokens = llm.tokenize(essays[5].encode())[:200]
+    llm.eval(tokens)
+    state = llm.save_state()
+    llm.eval(tokens[-1:])  # the cache holds budget + chunk cells: the eviction comes before the next token
+    kept = llm.kv_retained()[:, : len(tokens)]
+    assert (kept.sum(axis=1) == 48).all()
+
+    ref = reference_attention(model_path, tokens, 8)
+    mass = ref.mass().mean(axis=1)
+    policy = parse_policy(spec)
+    with_norms = [jaccard(np.flatnonzero(kept[il]), select(policy, mass[il], 48, il, N_LAYER, value=ref.value_norms[il]))
+                  for il in range(N_LAYER)]
+    mass_only = [jaccard(np.flatnonzero(kept[il]), select(policy, mass[il], 48, il, N_LAYER)) for il in range(N_LAYER)]
+    assert np.mean(with_norms) >= 0.93, np.round(with_norms, 2)
+    assert np.mean(with_norms) >= np.mean(mass_only) + 0.05, (np.mean(with_norms), np.mean(mass_only))
+
+    restored = Llama(model_path, n_ctx=512, verbose=False, flash_attn=flash_attn, kv_policy=spec)
+    restored.load_state(state)
+    restored.eval(tokens[-1:])
+    again = restored.kv_retained()[:, : len(tokens)]
+    assert min(jaccard(np.flatnonzero(kept[il]), np.flatnonzero(again[il])) for il in range(N_LAYER)) >= 0.95
 
 
 def test_guided_prefill_leaves_no_trace_without_eviction(model_path, essays):

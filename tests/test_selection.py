@@ -17,8 +17,11 @@ def select(policy, mass, n_keep, il=0, n_layer=1, value=None, last=None):
     the mass of the last observation alone (the same as mass)."""
     ffi, lib = native()
     m = np.ascontiguousarray(mass, dtype=np.float32)
-    v = ffi.NULL if value is None else ffi.cast("float *", ffi.from_buffer(np.ascontiguousarray(value, dtype=np.float32)))
-    lm = ffi.NULL if last is None else ffi.cast("float *", ffi.from_buffer(np.ascontiguousarray(last, dtype=np.float32)))
+    # the float32 copies stay referenced until the call returns (a pointer into a freed temporary reads garbage)
+    value32 = None if value is None else np.ascontiguousarray(value, dtype=np.float32)
+    last32 = None if last is None else np.ascontiguousarray(last, dtype=np.float32)
+    v = ffi.NULL if value32 is None else ffi.cast("float *", ffi.from_buffer(value32))
+    lm = ffi.NULL if last32 is None else ffi.cast("float *", ffi.from_buffer(last32))
     keep = np.zeros(len(m), dtype=np.int32)
     rc = lib.llama_kvp_select_tokens(policy.to_native(), il, n_layer, ffi.cast("float *", ffi.from_buffer(m)), lm, v,
                                      len(m), n_keep, ffi.cast("int32_t *", ffi.from_buffer(keep)))

@@ -78,8 +78,10 @@ struct llama_kvp_obs_layer {
 
     ggml_tensor * q_ring   = nullptr; // F32 [n_embd_head*n_head, window]  last post-RoPE queries, slot = pos % window
     ggml_tensor * mass     = nullptr; // F32 [n_cells, n_head]             mean attention of the window queries
-    ggml_tensor * mass_acc = nullptr; // F32 [n_cells, 2]                  decayed sum of the head-mean mass; the last
-                                      //                                   observation's head-mean mass (row 1)
+    ggml_tensor * mass_acc = nullptr; // F32 [n_cells, 3]                  decayed sum of the head-mean mass; the last
+                                      //                                   observation's head-mean mass (row 1); with
+                                      //                                   vnorm, the value norm of each cell's token
+                                      //                                   (row 2, NaN where the host changed the cell)
     ggml_tensor * entropy  = nullptr; // F32 [n_head]                      mean entropy of the window queries (nats)
 
     std::vector<llama_pos> cell_pos_obs; // position held by each cell at the last observation (-2: unknown)
@@ -332,10 +334,10 @@ void llama_kvp_sync(llama_kvp_context * st);
 // folds new prompt observations into the per-layer mean entropy; true if there was one (out: mean per layer)
 bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);
 
-// accumulated mass and the position each cell held when it was observed, of KV layer ikv, and with `last` the mass of
-// the last observation alone (synchronizes)
+// accumulated mass and the position each cell held when it was observed, of KV layer ikv, with `last` the mass of
+// the last observation alone and with `value` the value norms (NaN: not known on the device), in one read (synchronizes)
 void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos,
-                                std::vector<float> * last = nullptr);
+                                std::vector<float> * last = nullptr, std::vector<float> * value = nullptr);
 
 // head-mean attention mass of the cells of KV layer ikv at the last observation (averaged over its valid window
 // queries) and the position each cell held then (synchronizes); returns the cells covered
@@ -358,9 +360,10 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
 // fate stage)
 void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
 // the same for n cells at once (one read and one write of the span they cover), with their last observations (null:
-// the scores)
+// the scores) and their value norms (null: not known, the host computes them when a policy uses them)
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
-                                   const float * score, size_t n, const float * last = nullptr);
+                                   const float * score, size_t n, const float * last = nullptr,
+                                   const float * value = nullptr);
 
 // exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);

@@ -467,15 +467,18 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
     if (n_topk > 0 && st && stage_score->observes()) {
         std::vector<float> acc;
         std::vector<float> last;
+        std::vector<float> value;
         std::vector<llama_pos> obs_pos;
-        const bool use_last = stage_score->uses_last(policy);
-        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr);
+        const bool use_last   = stage_score->uses_last(policy);
+        const bool use_values = stage_score->uses_values(policy);
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr, use_values ? &value : nullptr);
         for (auto & c : cells) {
             const bool seen = c.idx < acc.size() && obs_pos[c.idx] == c.pos;
             c.score = seen ? acc[c.idx] : 0.0f;
             c.last  = seen && use_last ? last[c.idx] : c.score;
+            c.value = seen && use_values ? value[c.idx] : 0.0f; // a token not observed scores 0 whatever its norm
         }
-        if (stage_score->uses_values(policy)) {
+        if (use_values) {
             value_norms(ikv, cells);
         }
         if (i1 > i0) {
@@ -500,43 +503,38 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
 
 void llama_kvp_memory::value_norms(int32_t ikv, std::vector<llama_kvp_cell> & cells) {
     auto & L = layers[ikv];
-    const uint32_t size = L.kv->get_size();
-    if (L.vnorm_pos.size() != size) {
-        L.vnorm.assign(size, 0.0f);
-        L.vnorm_pos.assign(size, -1);
-    }
     std::vector<uint32_t> miss;
-    for (const auto & c : cells) {
-        if (L.vnorm_pos[c.idx] != c.pos) {
-            miss.push_back(c.idx);
-            L.vnorm_pos[c.idx] = c.pos; // its norm is computed below
+    std::vector<size_t>   miss_cell;
+    for (size_t i = 0; i < cells.size(); ++i) {
+        if (!std::isfinite(cells[i].value)) {
+            miss.push_back(cells[i].idx);
+            miss_cell.push_back(i);
         }
     }
-    if (!miss.empty()) {
-        ggml_tensor  * vt      = llama_kvp_kv_access::layer_v(*L.kv, 0);
-        const bool     v_trans = !cparams.flash_attn; // as the memory made its caches
-        const int64_t  n_embd  = vt->ne[0];
-        const int64_t  n_head  = std::max<int64_t>(1, model.hparams.n_head_kv(L.il));
-        const int64_t  d       = n_embd/n_head;
-        const size_t   nb      = llama_kvp_cell_bytes(vt, v_trans);
-        std::vector<uint8_t> raw(miss.size()*nb);
-        llama_kvp_cells_read(vt, v_trans, size, miss, raw.data());
-        std::vector<float> row(n_embd);
-        for (size_t i = 0; i < miss.size(); ++i) {
-            ggml_get_type_traits(vt->type)->to_float(raw.data() + i*nb, row.data(), n_embd);
-            double sum = 0.0;
-            for (int64_t h = 0; h < n_head; ++h) {
-                double s2 = 0.0;
-                for (int64_t e = h*d; e < (h + 1)*d; ++e) {
-                    s2 += (double) row[e]*row[e];
-                }
-                sum += std::sqrt(s2);
+    if (miss.empty()) {
+        return;
+    }
+    const uint32_t size    = L.kv->get_size();
+    ggml_tensor  * vt      = llama_kvp_kv_access::layer_v(*L.kv, 0);
+    const bool     v_trans = !cparams.flash_attn; // as the memory made its caches
+    const int64_t  n_embd  = vt->ne[0];
+    const int64_t  n_head  = std::max<int64_t>(1, model.hparams.n_head_kv(L.il));
+    const int64_t  d       = n_embd/n_head;
+    const size_t   nb      = llama_kvp_cell_bytes(vt, v_trans);
+    std::vector<uint8_t> raw(miss.size()*nb);
+    llama_kvp_cells_read(vt, v_trans, size, miss, raw.data());
+    std::vector<float> row(n_embd);
+    for (size_t i = 0; i < miss.size(); ++i) {
+        ggml_get_type_traits(vt->type)->to_float(raw.data() + i*nb, row.data(), n_embd);
+        double sum = 0.0;
+        for (int64_t h = 0; h < n_head; ++h) {
+            double s2 = 0.0;
+            for (int64_t e = h*d; e < (h + 1)*d; ++e) {
+                s2 += (double) row[e]*row[e];
             }
-            L.vnorm[miss[i]] = std::isfinite(sum) ? (float) (sum/n_head) : 0.0f;
+            sum += std::sqrt(s2);
         }
-    }
-    for (auto & c : cells) {
-        c.value = L.vnorm[c.idx];
+        cells[miss_cell[i]].value = std::isfinite(sum) ? (float) (sum/n_head) : 0.0f;
     }
 }
 
@@ -557,9 +555,6 @@ int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
         if (llama_kvp_kv_access::cell_pos(*L.kv, i) < 0) {
             llama_kvp_kv_access::cell_set(*L.kv, i, pos, seq_cur);
             L.bias[pos] = bias;
-            if (i < L.vnorm_pos.size()) {
-                L.vnorm_pos[i] = -1; // a centroid, maybe in the cell and at the position of a token that left
-            }
             if (st) {
                 llama_kvp_obs_layer_forget(st, ikv, pos, pos + 1); // a new token in this cell: not observed yet
             }
@@ -629,14 +624,17 @@ void llama_kvp_memory::compact(int32_t ikv) {
 
     std::vector<float>     acc;
     std::vector<float>     last;
+    std::vector<float>     value;
     std::vector<llama_pos> obs_pos;
-    const bool use_last = stage_score && stage_score->uses_last(policy);
+    const bool use_last   = stage_score && stage_score->uses_last(policy);
+    const bool use_values = stage_score && stage_score->uses_values(policy);
     if (st) {
-        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr);
+        llama_kvp_obs_layer_scores(st, ikv, acc, obs_pos, use_last ? &last : nullptr, use_values ? &value : nullptr);
     }
     std::vector<llama_pos> to_pos(from.size());
     std::vector<float>     to_score(from.size());
     std::vector<float>     to_last(from.size());
+    std::vector<float>     to_value(from.size());
     for (size_t i = 0; i < from.size(); ++i) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*L.kv, from[i]);
         llama_kvp_kv_access::cell_rm(*L.kv, from[i]);
@@ -645,10 +643,11 @@ void llama_kvp_memory::compact(int32_t ikv) {
         to_pos[i]   = p;
         to_score[i] = seen ? acc[from[i]]  : 0.0f;
         to_last[i]  = seen && use_last ? last[from[i]] : 0.0f;
+        to_value[i] = seen && use_values ? value[from[i]] : NAN;
     }
     if (st) {
         llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size(),
-                                      use_last ? to_last.data() : nullptr);
+                                      use_last ? to_last.data() : nullptr, use_values ? to_value.data() : nullptr);
     }
 }
 
@@ -817,7 +816,6 @@ void llama_kvp_memory::clear_cur(bool data) {
     for (auto & L : layers) {
         L.kv->clear(data);
         L.bias.clear();
-        L.vnorm_pos.clear();
     }
     stage_fate->forget(*this, 0, -1);
     if (stage_schedule) {
@@ -849,7 +847,6 @@ bool llama_kvp_memory::seq_rm_cur(llama_pos p0, llama_pos p1) {
             llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
         }
         res = layers[i].kv->seq_rm(-1, p0, p1) && res; // the current sequence's caches hold only its tokens
-        layers[i].vnorm_pos.clear();
         auto & bias = layers[i].bias;
         for (auto it = bias.lower_bound(std::max<llama_pos>(p0, 0)); it != bias.end() && (p1 < 0 || it->first < p1); ) {
             it = bias.erase(it);
@@ -1120,7 +1117,6 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
             resize((int32_t) i, lb[2*i + 1]);
         }
         L.kv->state_read(io, seq_id, flags);
-        L.vnorm_pos.clear();
 
         uint32_t n = 0;
         io.read(&n, sizeof(n));

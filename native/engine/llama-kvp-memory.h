@@ -41,11 +41,6 @@ struct llama_kvp_mem_layer {
     };
     mutable std::vector<bias_cell> bias_cells;
 
-    // the value norm of the token in each cell (score stages that use values), valid where vnorm_pos holds the
-    // cell's position; emptied when positions are removed or reloaded (a position then may hold another token)
-    std::vector<float>     vnorm;
-    std::vector<llama_pos> vnorm_pos;
-
     // the layer's tokens in position order as of its last eviction, and by cell the position its entry holds (-1: no
     // entry); the next eviction keeps the entries whose cell still holds that position and merges in the cells
     // placed since, instead of sorting the whole layer at every decode step (llama_kvp_memory::cells_in_order)
@@ -243,7 +238,8 @@ private:
     // evict the lowest-value cells of one layer until n_keep remain
     void evict(int32_t ikv, uint32_t n_keep);
 
-    // the value norm of each cell's token into cells[].value (read from the cache for the cells not known yet)
+    // the value norms the observation did not compute (NaN in cells[].value: a cell the host filled or moved since, a
+    // restored state), from the layer's V cache on the host
     void value_norms(int32_t ikv, std::vector<llama_kvp_cell> & cells);
 
     void note_bytes(int64_t extra);

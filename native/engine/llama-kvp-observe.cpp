@@ -173,7 +173,7 @@ static void llama_kvp_obs_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_c
     L.ctx.reset(ctx);
     L.q_ring   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) st->n_embd_head*st->n_head, st->policy.window);
     L.mass     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, st->n_head);
-    L.mass_acc = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, 2);
+    L.mass_acc = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_cells, 3);
     L.entropy  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, st->n_head);
     ggml_format_name(L.q_ring,   "kvp_q_ring-%d",   L.il);
     ggml_format_name(L.mass,     "kvp_mass-%d",     L.il);
@@ -839,15 +839,41 @@ ggml_tensor * llama_kvp_graph_observed_attn(
     return cur;
 }
 
+// the value norm of the token in each of the first n_kv cells of KV layer ikv, F32 [n_kv]: the mean over the KV heads
+// of |v_h|, from the layer's V cache as the attention reads it (a score stage's vnorm; computed here, with the
+// observation, so that an eviction reads it beside the mass instead of reading V back from the device)
+static ggml_tensor * llama_kvp_graph_value_norms(const llm_graph_context & gctx, llama_kvp_context * st, int32_t ikv,
+                                                 int il, int64_t n_kv) {
+    ggml_context * ctx0 = gctx.ctx0;
+    ggml_tensor  * vc   = llama_kvp_kv_access::layer_v(*st->layer_kv(ikv), st->mem ? 0 : ikv);
+    const int64_t n_head_kv = std::max<int64_t>(1, gctx.hparams.n_head_kv(il));
+    const int64_t d_v       = gctx.hparams.n_embd_head_v(il);
+    ggml_tensor * v = nullptr;
+    if (gctx.cparams.flash_attn) { // a row per cell (as the memory made its caches)
+        v = ggml_cast(ctx0, ggml_view_2d(ctx0, vc, d_v*n_head_kv, n_kv, vc->nb[1], 0), GGML_TYPE_F32);
+    } else {                       // transposed: a row per dimension, the cache's size long
+        v = ggml_view_2d(ctx0, vc, n_kv, d_v*n_head_kv, ggml_row_size(vc->type, vc->ne[1]), 0);
+        v = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_cast(ctx0, v, GGML_TYPE_F32)));
+    }
+    v = ggml_reshape_3d(ctx0, v, d_v, n_head_kv, n_kv);
+    ggml_tensor * norms = ggml_sqrt(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, v)));        // [1, n_head_kv, n_kv]
+    norms = ggml_sum_rows(ctx0, ggml_reshape_2d(ctx0, norms, n_head_kv, n_kv));           // [1, n_kv]
+    return ggml_scale(ctx0, ggml_reshape_1d(ctx0, norms, n_kv), 1.0f/(float) n_head_kv);
+}
+
 // an observation of the n_kv first cells (head-mean mass m [n_kv]): the decayed sum in row 0 of mass_acc (keep: the
-// decay where a cell still holds its token, else 0) and the observation itself in row 1
+// decay where a cell still holds its token, else 0), the observation itself in row 1 and, where given, the value
+// norms vn [n_kv] in row 2
 static void llama_kvp_obs_accumulate(ggml_context * ctx0, ggml_cgraph * gf, llama_kvp_obs_layer & L, int64_t n_kv,
-                                     ggml_tensor * keep, ggml_tensor * m) {
+                                     ggml_tensor * keep, ggml_tensor * m, ggml_tensor * vn) {
     ggml_tensor * acc_dst  = ggml_view_1d(ctx0, L.mass_acc, n_kv, 0);
     ggml_tensor * last_dst = ggml_view_1d(ctx0, L.mass_acc, n_kv, L.mass_acc->nb[1]);
     ggml_tensor * acc      = ggml_add(ctx0, ggml_mul(ctx0, acc_dst, keep), m);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, acc_dst));
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, m, last_dst));
+    if (vn) {
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, vn, ggml_view_1d(ctx0, L.mass_acc, n_kv, 2*L.mass_acc->nb[1])));
+    }
 }
 
 void llama_kvp_graph_observe(
@@ -897,6 +923,8 @@ void llama_kvp_graph_observe(
     ggml_build_forward_expand(gf, ring);
 
     GGML_ASSERT(n_kv <= L.n_cells);
+    // the value norms of the cells, for a score stage that weights the mass by them
+    auto vn = [&]() { return st->policy.vnorm > 0.0f ? llama_kvp_graph_value_norms(gctx, st, ikv, il, n_kv) : nullptr; };
     ggml_tensor * probs_attn = il < (int) g_graph_probs.size() ? g_graph_probs[il] : nullptr;
 
     // a decode step keeping its attention row: the head mean of its probabilities into the row of its ring slot;
@@ -914,7 +942,7 @@ void llama_kvp_graph_observe(
         ggml_tensor * w  = ggml_view_2d(ctx0, inp->weights_h, 1, W, inp->weights_h->nb[1], 0);    // [1, W]
         ggml_tensor * mw = ggml_out_prod(ctx0, ggml_mul(ctx0, rows, cells.rsel), w);            // [n_kv, 1]
         mw = ggml_reshape_1d(ctx0, mw, n_kv);
-        llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mw);
+        llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mw, vn());
         return;
     }
     if (!inp->obs) {
@@ -964,7 +992,7 @@ void llama_kvp_graph_observe(
     // decayed accumulation of the head-mean mass
     ggml_tensor * mh = ggml_out_prod(ctx0, mass, inp->head_w);                 // [n_kv, 1]
     mh = ggml_reshape_1d(ctx0, mh, n_kv);
-    llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mh);
+    llama_kvp_obs_accumulate(ctx0, gf, L, n_kv, cells.keep, mh, vn());
 }
 
 //
@@ -1000,20 +1028,28 @@ bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out) {
 }
 
 void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos,
-                                std::vector<float> * last) {
+                                std::vector<float> * last, std::vector<float> * value) {
     const auto & L = st->layers[ikv];
     acc.assign(L.n_cells, 0.0f);
     obs_pos.assign(L.n_cells, -2);
-    if (last) {
-        last->assign(L.n_cells, 0.0f);
+    std::vector<float> * rows[3] = { &acc, last, value };
+    for (auto * r : rows) {
+        if (r) {
+            r->assign(L.n_cells, 0.0f);
+        }
     }
     if (!st->observing() || L.n_kv_obs <= 0) {
         return;
     }
     llama_kvp_sync(st);
-    ggml_backend_tensor_get(L.mass_acc, acc.data(), 0, (size_t) L.n_kv_obs*sizeof(float));
-    if (last) {
-        ggml_backend_tensor_get(L.mass_acc, last->data(), L.mass_acc->nb[1], (size_t) L.n_kv_obs*sizeof(float));
+    // the rows asked for, in one read from the first row's start to the last one's n_kv_obs-th cell
+    const int32_t n_rows = value ? 3 : last ? 2 : 1;
+    std::vector<float> buf((size_t) (n_rows - 1)*L.n_cells + L.n_kv_obs);
+    ggml_backend_tensor_get(L.mass_acc, buf.data(), 0, buf.size()*sizeof(float));
+    for (int32_t r = 0; r < n_rows; ++r) {
+        if (rows[r]) {
+            std::copy_n(buf.begin() + (size_t) r*L.n_cells, L.n_kv_obs, rows[r]->begin());
+        }
     }
     for (int32_t j = 0; j < L.n_kv_obs; ++j) {
         obs_pos[j] = L.cell_pos_obs[j];
@@ -1058,7 +1094,7 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     // keep the query ring, the entropy and the scores of the moved cells
     std::vector<float> ring(ggml_nelements(L.q_ring));
     std::vector<float> ent(ggml_nelements(L.entropy));
-    std::vector<float> acc(2*(size_t) L.n_cells); // both rows: the decayed sum and the last observation
+    std::vector<float> acc(3*(size_t) L.n_cells); // every row: the decayed sum, the last observation, the value norm
     ggml_backend_tensor_get(L.q_ring,   ring.data(), 0, ring.size()*sizeof(float));
     ggml_backend_tensor_get(L.entropy,  ent.data(),  0, ent.size()*sizeof(float));
     ggml_backend_tensor_get(L.mass_acc, acc.data(),  0, acc.size()*sizeof(float));
@@ -1095,13 +1131,14 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
         ggml_backend_tensor_set(L.mass_rows, rows_new.data(), 0, rows_new.size()*sizeof(float));
     }
 
-    std::vector<float> acc_new(2*(size_t) n_cells, 0.0f);
+    std::vector<float> acc_new(3*(size_t) n_cells, 0.0f);
     int32_t n_kv_new = 0;
     for (uint32_t j = 0; j < n_cells && j < remap.size(); ++j) {
         const int32_t o = remap[j];
         if (o >= 0 && o < old_n_kv) {
-            acc_new[j]           = acc[o];
-            acc_new[n_cells + j] = acc[old_n_cells + o];
+            for (size_t r = 0; r < 3; ++r) {
+                acc_new[r*n_cells + j] = acc[r*old_n_cells + o];
+            }
             L.cell_pos_obs[j] = old_pos[o];
             n_kv_new = (int32_t) j + 1;
         }
@@ -1120,7 +1157,10 @@ void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const s
     }
     std::map<llama_pos, float> by_pos(scores.begin(), scores.end());
     llama_kv_cache * kv = st->layer_kv(ikv);
-    std::vector<float> acc(2*(size_t) L.n_cells, 0.0f); // a restored score is also the cell's last observation
+    // a restored score is also the cell's last observation; the value norms are not known (the host computes them
+    // where an eviction comes before the next observation)
+    std::vector<float> acc(3*(size_t) L.n_cells, 0.0f);
+    std::fill(acc.begin() + 2*(size_t) L.n_cells, acc.end(), NAN);
     int32_t n_kv = 0;
     for (int32_t j = 0; j < L.n_cells && j < (int32_t) kv->get_size(); ++j) {
         const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) j);
@@ -1197,7 +1237,7 @@ void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t 
 }
 
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
-                                   const float * score, size_t n, const float * last) {
+                                   const float * score, size_t n, const float * last, const float * value) {
     auto & L = st->layers[ikv];
     if (!st->observing() || !L.mass_acc) {
         return;
@@ -1213,32 +1253,32 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
     if (lo > hi) {
         return;
     }
-    // the span of the cells in one read and one write per row (transfers where the scores live in device memory); the
-    // last observation's row only where it is given or a score stage ranks by it (`fresh`)
+    // the rows a policy reads: the last observation where it is given or a score stage ranks by it (`fresh`), the
+    // value norm where a score stage weights by it (`vnorm`); all of them in one read and one write of the span from
+    // the first row's cell lo to the last row's cell hi (transfers where the scores live in device memory)
+    const bool    row_last  = last || st->policy.fresh > 0.0f;
+    const bool    row_value = st->policy.vnorm > 0.0f;
+    const int32_t n_rows    = row_value ? 3 : row_last ? 2 : 1;
+    const size_t  nc        = (size_t) L.n_cells;
     llama_kvp_sync(st);
-    const bool   row_last = last || st->policy.fresh > 0.0f;
-    const size_t nb1      = L.mass_acc->nb[1];
-    std::vector<float> span(hi - lo + 1);
-    std::vector<float> span_last(row_last ? hi - lo + 1 : 0);
+    std::vector<float> span((n_rows - 1)*nc + hi - lo + 1);
     ggml_backend_tensor_get(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
-    if (row_last) {
-        ggml_backend_tensor_get(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
-    }
     for (size_t i = 0; i < n; ++i) {
         if ((int32_t) idx[i] >= L.n_cells) {
             continue;
         }
-        span[idx[i] - lo] = score[i];
+        const size_t j = idx[i] - lo;
+        span[j] = score[i];
         if (row_last) {
-            span_last[idx[i] - lo] = last ? last[i] : score[i];
+            span[nc + j] = last ? last[i] : score[i];
+        }
+        if (row_value) {
+            span[2*nc + j] = value ? value[i] : NAN;
         }
         L.cell_pos_obs[idx[i]] = pos[i];
         L.n_kv_obs = std::max<int32_t>(L.n_kv_obs, (int32_t) idx[i] + 1);
     }
     ggml_backend_tensor_set(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
-    if (row_last) {
-        ggml_backend_tensor_set(L.mass_acc, span_last.data(), nb1 + (size_t) lo*sizeof(float), span.size()*sizeof(float));
-    }
 }
 
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {
