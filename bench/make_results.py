@@ -354,7 +354,7 @@ Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.js
 - **Needles:** "The special magic number for CITY is NNNN." at depths {', '.join(f'{d:g}' for d in cfg['depths'])}
   of {', '.join(str(n) for n in cfg['needle_lengths'])}-token haystacks, then the question; hit if the greedy
   answer contains the number. The full cache's own score is beside each row.
-
+{note_of(ev)}
 {eval_md}
 
 ![fidelity vs budget](results/fidelity_vs_budget.png)
