@@ -131,8 +131,8 @@ class EntropyLayerBudget(RetentionPolicy):
     n_recent: int = 16
     topk_share: float = 1.0
     window: int = 32
-    pool: int = 3
-    pool_max: float = 0.25
+    pool: int = 1
+    pool_max: float = 0.5
     span_pool: int = 9
     span_share: float = 1.0
     fill: int = 4

@@ -185,7 +185,7 @@ def test_value_norms_discount_attention_to_near_zero_values():
     mass = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
     value = rng.integers(1, 16, 500).astype(np.float32) / 4
     for vnorm in (1, 2):
-        pol = parse_policy(f"entropy:vnorm={vnorm},pool=5")
+        pol = parse_policy(f"entropy:vnorm={vnorm},pool=5,pool_max=0.25")
         got = select(pol, mass, 60, 29, 30, value=value)
         want = select_reference(mass * value**vnorm, 60, 4, 16, 1.0, 5, 0.25, 9, fill=4)
         assert got.tolist() == want.tolist()
@@ -208,12 +208,12 @@ def test_fresh_ranks_spans_by_the_sum_and_the_rest_by_the_last_observation():
     assert set(select(fresh, mass, 14)) == kept_sum  # no last observation given: the same as the sum
     # against the numpy twin on random scores, with the preset's spans and filled holes
     rng = np.random.default_rng(11)
-    for pool, fresh in ((1, 1.0), (3, 0.5), (5, 1.0)):
+    for pool, fresh, pool_max in ((1, 1.0, 0.5), (3, 0.5, 0.25), (5, 1.0, 0.5)):
         mass = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
         last = (rng.integers(0, 64, 500) * (rng.random(500) < 0.3)).astype(np.float32) / 1024
-        pol = parse_policy(f"entropy:fresh={fresh},pool={pool}")
+        pol = parse_policy(f"entropy:fresh={fresh},pool={pool},pool_max={pool_max}")
         got = select(pol, mass, 60, 29, 30, last=last)
-        want = select_reference(mass, 60, 4, 16, 1.0, pool, 0.25, 9, fill=4, last=last, fresh=fresh)
+        want = select_reference(mass, 60, 4, 16, 1.0, pool, pool_max, 9, fill=4, last=last, fresh=fresh)
         assert got.tolist() == want.tolist()
 
 
