@@ -643,7 +643,7 @@ void llama_kvp_memory::compact(int32_t ikv) {
         to_pos[i]   = p;
         to_score[i] = seen ? acc[from[i]]  : 0.0f;
         to_last[i]  = seen && use_last ? last[from[i]] : 0.0f;
-        to_value[i] = seen && use_values ? value[from[i]] : NAN;
+        to_value[i] = seen && use_values ? value[from[i]] : 0.0f; // a token not observed scores 0 whatever its norm
     }
     if (st) {
         llama_kvp_obs_cells_set_score(st, ikv, to.data(), to_pos.data(), to_score.data(), to.size(),
