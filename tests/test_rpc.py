@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,3 +77,27 @@ def test_unreachable_server_is_named(model_path):
     port = free_port()
     with pytest.raises(RPCError, match=f"127.0.0.1:{port} cannot be reached"):
         Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{port}", n_gpu_layers=-1)
+
+
+SCHED = """
+import sys
+from pykvcache import Llama
+prompt, policy, server, model, fa = sys.argv[1:6]
+llm = Llama(model, n_ctx=512, verbose=True, kv_policy=policy, rpc_servers=server, n_gpu_layers=-1, flash_attn=fa == "1")
+llm.create_completion(prompt, max_tokens=4, temperature=0.0)
+"""
+
+
+@pytest.mark.parametrize("flash_attn", ["0", "1"])
+def test_offloaded_step_uploads_each_kind_of_attention_input_once(model_path, rpc_server, flash_attn):
+    # the scheduler uploads every input of an offloaded split on its own, after a synchronisation: the layers' cell
+    # indices and masks must reach the device as one input per kind, not three per layer
+    env = dict(os.environ, GGML_SCHED_DEBUG="1")
+    res = subprocess.run([sys.executable, "-c", SCHED, PROSE * 2, POLICY, rpc_server, model_path, flash_attn], cwd="/",
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    splits = [line for line in res.stderr.splitlines() if line.startswith("## SPLIT") and "RPC" in line]
+    assert splits, res.stderr[-3000:]
+    for line in splits:
+        attn = re.findall(r"\[(attn_inp_\S+)", line)
+        assert sorted(attn) == ["attn_inp_k_idxs-all", "attn_inp_kq_mask-all", "attn_inp_v_idxs-all"], line[:600]

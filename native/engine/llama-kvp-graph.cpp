@@ -4,6 +4,12 @@
 // build_attn_inp_kv() returns an llama_kvp_attn_input: it holds one ordinary llm_graph_input_attn_kv per layer (cell
 // indices, mask and the layer's cache context), and build_attn() swaps in the one of its layer, so the upstream
 // attention code runs unchanged on that layer's own cache.
+//
+// The layers' cell indices and masks are views of three graph inputs, one per kind, not inputs of their own: the
+// scheduler uploads each input of an offloaded split on its own, after a synchronisation (~13 us on a GPU, a round
+// trip over RPC), so three inputs per layer cost ~1.2 ms per decode step on 30 layers. A view of a host input stays
+// on the host (it would be uploaded view by view), so when a layer's cache is off the host the views are cut from a
+// copy of each input (ggml_cont) that runs on the device: one upload per kind.
 
 #include "llama-kvp-impl.h"
 #include "llama-kvp-memory.h"
@@ -18,11 +24,33 @@ public:
     void set_input(const llama_ubatch * ubatch) override {
         for (size_t ikv = 0; ikv < per_layer.size(); ++ikv) {
             auto & inp = per_layer[ikv];
+            // the upstream setters write a layer's part of each packed input through a host tensor shaped as its view
+            ggml_tensor k_idxs = llama_kvp_host_part(inp->self_k_idxs,  k_idxs_all, off_k_idxs[ikv]);
+            ggml_tensor v_idxs = llama_kvp_host_part(inp->self_v_idxs,  v_idxs_all, off_v_idxs[ikv]);
+            ggml_tensor mask   = llama_kvp_host_part(inp->self_kq_mask, mask_all,   off_mask[ikv]);
+            ggml_tensor * views[3] = { inp->self_k_idxs, inp->self_v_idxs, inp->self_kq_mask };
+            inp->self_k_idxs  = &k_idxs;
+            inp->self_v_idxs  = &v_idxs;
+            inp->self_kq_mask = &mask;
             inp->set_input(ubatch);
+            inp->self_k_idxs  = views[0];
+            inp->self_v_idxs  = views[1];
+            inp->self_kq_mask = views[2];
             // cells that stand for several tokens (a fate stage's) weigh as many in the softmax
-            ggml_tensor * m = inp->self_kq_mask;
-            mem->mask_add_bias((int32_t) ikv, m->data, m->type == GGML_TYPE_F16, m->ne[0], ggml_nrows(m));
+            if (mask.data) {
+                mem->mask_add_bias((int32_t) ikv, mask.data, mask.type == GGML_TYPE_F16, mask.ne[0], ggml_nrows(&mask));
+            }
         }
+    }
+
+    // a layer's view, placed on its bytes of the packed host input
+    static ggml_tensor llama_kvp_host_part(const ggml_tensor * view, const ggml_tensor * all, size_t offs) {
+        ggml_tensor t = *view;
+        t.op       = GGML_OP_NONE;
+        t.view_src = nullptr;
+        t.buffer   = all->buffer;
+        t.data     = all->data ? (char *) all->data + offs : nullptr;
+        return t;
     }
 
     // a graph is reused while no layer cache was reallocated, its sequence is the current one (each has caches of its
@@ -48,6 +76,14 @@ public:
     llama_seq_id seq = 0; // the sequence whose caches the graph attends to
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> per_layer; // by KV layer
+
+    // the packed host inputs, and where each layer's part starts in them (bytes)
+    ggml_tensor * k_idxs_all = nullptr;
+    ggml_tensor * v_idxs_all = nullptr;
+    ggml_tensor * mask_all   = nullptr;
+    std::vector<size_t> off_k_idxs;
+    std::vector<size_t> off_v_idxs;
+    std::vector<size_t> off_mask;
     std::vector<int32_t> layer_of_il;                                // model layer -> KV layer
 };
 
@@ -70,17 +106,61 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
 
     // flash attention takes an f16 mask
     const ggml_type mask_type = gctx.cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32;
+    const size_t    n_layers  = mem->layers.size();
 
-    for (size_t ikv = 0; ikv < mem->layers.size(); ++ikv) {
+    // each layer's shapes (of the upstream builders' tensors, which only lend them) and its parts of the packed
+    // inputs, each starting on 256 bytes
+    std::vector<ggml_tensor *> k_shape(n_layers);
+    std::vector<ggml_tensor *> v_shape(n_layers);
+    std::vector<int64_t>       n_kv(n_layers);
+    size_t n_k_idxs = 0;
+    size_t n_v_idxs = 0;
+    size_t n_mask   = 0;
+    for (size_t ikv = 0; ikv < n_layers; ++ikv) {
+        const llama_kv_cache_context * lctx = pctx->layer_ctx((int32_t) ikv);
+        k_shape[ikv] = lctx->build_input_k_idxs(ctx0, ubatch);
+        v_shape[ikv] = lctx->build_input_v_idxs(ctx0, ubatch);
+        n_kv[ikv]    = lctx->get_n_kv();
+        inp->off_k_idxs.push_back(n_k_idxs);
+        inp->off_v_idxs.push_back(n_v_idxs);
+        inp->off_mask.push_back(n_mask);
+        n_k_idxs += GGML_PAD(ggml_nbytes(k_shape[ikv]), 256);
+        n_v_idxs += GGML_PAD(ggml_nbytes(v_shape[ikv]), 256);
+        n_mask   += GGML_PAD(n_kv[ikv]*ubatch.n_tokens*ggml_type_size(mask_type), 256);
+    }
+    const ggml_type idx_type = k_shape[0]->type;
+    inp->k_idxs_all = ggml_new_tensor_1d(ctx0, idx_type,  n_k_idxs/ggml_type_size(idx_type));
+    inp->v_idxs_all = ggml_new_tensor_1d(ctx0, idx_type,  n_v_idxs/ggml_type_size(idx_type));
+    inp->mask_all   = ggml_new_tensor_1d(ctx0, mask_type, n_mask/ggml_type_size(mask_type));
+    ggml_set_input(inp->k_idxs_all);
+    ggml_set_input(inp->v_idxs_all);
+    ggml_set_input(inp->mask_all);
+    ggml_set_name(inp->k_idxs_all, "attn_inp_k_idxs-all");
+    ggml_set_name(inp->v_idxs_all, "attn_inp_v_idxs-all");
+    ggml_set_name(inp->mask_all,   "attn_inp_kq_mask-all");
+
+    // with a layer's cache off the host, the views are cut from a device copy of each input
+    bool offloaded = false;
+    for (size_t ikv = 0; ikv < n_layers; ++ikv) {
+        const ggml_tensor * k = llama_kvp_kv_access::layer_k(*mem->layers[ikv].kv, 0);
+        offloaded = offloaded || (k && k->buffer && !ggml_backend_buffer_is_host(k->buffer));
+    }
+    ggml_tensor * k_idxs_src = offloaded ? ggml_cont(ctx0, inp->k_idxs_all) : inp->k_idxs_all;
+    ggml_tensor * v_idxs_src = offloaded ? ggml_cont(ctx0, inp->v_idxs_all) : inp->v_idxs_all;
+    ggml_tensor * mask_src   = offloaded ? ggml_cont(ctx0, inp->mask_all)   : inp->mask_all;
+
+    for (size_t ikv = 0; ikv < n_layers; ++ikv) {
         const llama_kv_cache_context * lctx = pctx->layer_ctx((int32_t) ikv);
         auto li = std::make_unique<llm_graph_input_attn_kv>(gctx.hparams, gctx.cparams, lctx);
+        const int32_t il = mem->layers[ikv].il;
 
-        li->self_k_idxs = lctx->build_input_k_idxs(ctx0, ubatch);
-        li->self_v_idxs = lctx->build_input_v_idxs(ctx0, ubatch);
-
-        li->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, lctx->get_n_kv(), ubatch.n_tokens, 1, 1);
-        ggml_set_input(li->self_kq_mask);
-        ggml_format_name(li->self_kq_mask, "attn_inp_kq_mask-%d", mem->layers[ikv].il);
+        li->self_k_idxs  = ggml_view_1d(ctx0, k_idxs_src, ggml_nelements(k_shape[ikv]), inp->off_k_idxs[ikv]);
+        li->self_v_idxs  = ggml_view_1d(ctx0, v_idxs_src, ggml_nelements(v_shape[ikv]), inp->off_v_idxs[ikv]);
+        li->self_kq_mask = ggml_view_2d(ctx0, mask_src, n_kv[ikv], ubatch.n_tokens,
+                                        n_kv[ikv]*ggml_type_size(mask_type), inp->off_mask[ikv]);
+        ggml_format_name(li->self_k_idxs,  "attn_inp_k_idxs-%d",  il);
+        ggml_format_name(li->self_v_idxs,  "attn_inp_v_idxs-%d",  il);
+        ggml_format_name(li->self_kq_mask, "attn_inp_kq_mask-%d", il);
         li->self_kq_mask_cnv = li->self_kq_mask;
 
         li->self_k_rot = lctx->build_input_k_rot(ctx0);
