@@ -89,9 +89,9 @@ llm.create_completion(prompt, max_tokens=4, temperature=0.0)
 
 
 @pytest.mark.parametrize("flash_attn", ["0", "1"])
-def test_offloaded_step_uploads_each_kind_of_attention_input_once(model_path, rpc_server, flash_attn):
+def test_offloaded_step_uploads_each_kind_of_input_once(model_path, rpc_server, flash_attn):
     # the scheduler uploads every input of an offloaded split on its own, after a synchronisation: the layers' cell
-    # indices and masks must reach the device as one input per kind, not three per layer
+    # indices, masks and observation inputs must reach the device as one input per kind, not several per layer (30)
     env = dict(os.environ, GGML_SCHED_DEBUG="1")
     res = subprocess.run([sys.executable, "-c", SCHED, PROSE * 2, POLICY, rpc_server, model_path, flash_attn], cwd="/",
                          capture_output=True, text=True, timeout=300, env=env)
@@ -101,3 +101,5 @@ def test_offloaded_step_uploads_each_kind_of_attention_input_once(model_path, rp
     for line in splits:
         attn = re.findall(r"\[(attn_inp_\S+)", line)
         assert sorted(attn) == ["attn_inp_k_idxs-all", "attn_inp_kq_mask-all", "attn_inp_v_idxs-all"], line[:600]
+        assert int(re.search(r"# (\d+) inputs", line).group(1)) <= 16, line[:600]
+    assert any("kvp_obs_keep-all" in line for line in splits)  # an observing step was among them

@@ -140,11 +140,7 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
     ggml_set_name(inp->mask_all,   "attn_inp_kq_mask-all");
 
     // with a layer's cache off the host, the views are cut from a device copy of each input
-    bool offloaded = false;
-    for (size_t ikv = 0; ikv < n_layers; ++ikv) {
-        const ggml_tensor * k = llama_kvp_kv_access::layer_k(*mem->layers[ikv].kv, 0);
-        offloaded = offloaded || (k && k->buffer && !ggml_backend_buffer_is_host(k->buffer));
-    }
+    const bool offloaded = mem->off_host();
     ggml_tensor * k_idxs_src = offloaded ? ggml_cont(ctx0, inp->k_idxs_all) : inp->k_idxs_all;
     ggml_tensor * v_idxs_src = offloaded ? ggml_cont(ctx0, inp->v_idxs_all) : inp->v_idxs_all;
     ggml_tensor * mask_src   = offloaded ? ggml_cont(ctx0, inp->mask_all)   : inp->mask_all;

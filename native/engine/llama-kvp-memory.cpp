@@ -651,6 +651,16 @@ void llama_kvp_memory::compact(int32_t ikv) {
     }
 }
 
+bool llama_kvp_memory::off_host() const {
+    for (const auto & L : layers) {
+        const ggml_tensor * k = llama_kvp_kv_access::layer_k(*L.kv, 0);
+        if (k && k->buffer && !ggml_backend_buffer_is_host(k->buffer)) {
+            return true;
+        }
+    }
+    return false;
+}
+
 void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const {
     const auto & L = layers[ikv];
     if (L.bias.empty()) {

@@ -153,6 +153,9 @@ public:
     // (data: f32 or f16 rows of n_kv, n_rows rows; masked entries stay masked)
     void mask_add_bias(int32_t ikv, void * data, bool f16, int64_t n_kv, int64_t n_rows) const;
 
+    // some layer's cache is off the host (an offloaded layer): graph inputs shared by the layers are copied there once
+    bool off_host() const;
+
     const llama_model   & model;
     const llama_cparams   cparams;
     const llama_kvp_policy policy;

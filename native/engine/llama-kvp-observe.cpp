@@ -464,6 +464,20 @@ struct llama_kvp_obs_cells {
     std::vector<int32_t> layers;     // KV layers using this set
 };
 
+// the sets of the per-layer memory, one per layer, as views of one graph input per kind (see llama-kvp-graph.cpp: the
+// scheduler uploads each input of an offloaded split on its own): each layer's part of each, and the inputs
+struct llama_kvp_obs_packed {
+    std::vector<int64_t> n_kv;     // by KV layer, as planned when the graph was built
+    std::vector<size_t>  off_keep; // bytes into keep
+    std::vector<size_t>  off_rows; // bytes into mask and rsel
+    ggml_tensor * keep = nullptr;  // host inputs
+    ggml_tensor * mask = nullptr;
+    ggml_tensor * rsel = nullptr;
+    ggml_tensor * keep_src = nullptr; // what the views are cut from: the inputs, or their device copies
+    ggml_tensor * mask_src = nullptr;
+    ggml_tensor * rsel_src = nullptr;
+};
+
 class llama_kvp_obs_input : public llm_graph_input_i {
 public:
     llama_kvp_obs_input(llama_kvp_context * st, bool obs, bool ent, int64_t n_tokens) :
@@ -492,6 +506,10 @@ public:
     ggml_tensor * head_w    = nullptr; // F32 [1, n_head]         1/n_head (head mean of the mass)
 
     std::vector<llama_kvp_obs_cells> sets;
+    llama_kvp_obs_packed             packed; // the per-layer memory's (empty otherwise)
+
+    // the host data of set c's part of a packed input (or of its own input)
+    float * host_part(const llama_kvp_obs_cells & c, ggml_tensor * view, ggml_tensor * all, bool rows) const;
 };
 
 llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv, bool need_mask, bool need_rows) {
@@ -504,21 +522,36 @@ llama_kvp_obs_cells & llama_kvp_obs_input::cells_for(ggml_context * ctx0, int32_
             break;
         }
     }
+    const int64_t W    = st->policy.window;
+    const bool    pack = packed.keep != nullptr;
+    GGML_ASSERT(!pack || packed.n_kv[ikv] == n_kv);
     if (!set) {
         sets.emplace_back();
         set = &sets.back();
         set->kv   = kv;
         set->n_kv = n_kv;
-        set->keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
-        ggml_set_input(set->keep);
+        if (pack) {
+            set->keep = ggml_view_1d(ctx0, packed.keep_src, n_kv, packed.off_keep[ikv]);
+        } else {
+            set->keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv);
+            ggml_set_input(set->keep);
+        }
     }
     if (need_mask && !set->mask) {
-        set->mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
-        ggml_set_input(set->mask);
+        if (pack) {
+            set->mask = ggml_view_2d(ctx0, packed.mask_src, n_kv, W, n_kv*sizeof(float), packed.off_rows[ikv]);
+        } else {
+            set->mask = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, W);
+            ggml_set_input(set->mask);
+        }
     }
     if (need_rows && !set->rsel) {
-        set->rsel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, st->policy.window);
-        ggml_set_input(set->rsel);
+        if (pack) {
+            set->rsel = ggml_view_2d(ctx0, packed.rsel_src, n_kv, W, n_kv*sizeof(float), packed.off_rows[ikv]);
+        } else {
+            set->rsel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_kv, W);
+            ggml_set_input(set->rsel);
+        }
     }
     set->layers.push_back(ikv);
     return *set;
@@ -547,6 +580,17 @@ bool llama_kvp_obs_input::can_reuse(const llm_graph_params & params) {
 // such input (e.g. the head weights of a decode step on a backend that declines the observed attention, CUDA)
 static float * llama_kvp_input_f32(ggml_tensor * t) {
     return t && t->buffer ? (float *) t->data : nullptr;
+}
+
+float * llama_kvp_obs_input::host_part(const llama_kvp_obs_cells & c, ggml_tensor * view, ggml_tensor * all, bool rows) const {
+    if (!packed.keep) {
+        return llama_kvp_input_f32(view);
+    }
+    if (!view || !all->buffer) {
+        return nullptr;
+    }
+    const int32_t ikv = c.layers[0];
+    return (float *) ((char *) all->data + (rows ? packed.off_rows[ikv] : packed.off_keep[ikv]));
 }
 
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
@@ -648,7 +692,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
             j_any = 0;
         }
 
-        float * m = llama_kvp_input_f32(c.mask);
+        float * m = host_part(c, c.mask, packed.mask, true);
         for (int32_t s = 0; m && s < W; ++s) {
             float * row = m + (int64_t) s*n_kv;
             if (!valid[s]) {
@@ -670,13 +714,13 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
         // accumulation: carry a cell's score only while it holds the token it held at the last observation
         // (the layers of one set share their cells, so their bookkeeping is the same)
         auto & ref = st->layers[c.layers[0]].cell_pos_obs;
-        float * kp = llama_kvp_input_f32(c.keep);
+        float * kp = host_part(c, c.keep, packed.keep, false);
         for (int64_t j = 0; kp && j < n_kv; ++j) {
             kp[j] = (pos[j] >= 0 && pos[j] == ref[j]) ? st->policy.decay : 0.0f;
         }
 
         // rows that count for a cell: a valid slot's row written while the cell held its present token
-        if (float * rs = llama_kvp_input_f32(c.rsel)) {
+        if (float * rs = host_part(c, c.rsel, packed.rsel, true)) {
             const auto & L = st->layers[c.layers[0]];
             for (int32_t s = 0; s < W; ++s) {
                 for (int64_t j = 0; j < n_kv; ++j) {
@@ -750,6 +794,35 @@ static llama_kvp_obs_input * llama_kvp_graph_obs_input(const llm_graph_context &
     if (inp->obs || inp->rows) {
         inp->head_w = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_head);
         ggml_set_input(inp->head_w);
+    }
+    const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(gctx.mctx);
+    if (inp->obs && st->mem && pctx) {
+        // the per-layer memory's sets: each layer's part of one input per kind, each part starting on 256 bytes
+        auto & pk = inp->packed;
+        size_t n_keep = 0;
+        size_t n_rows = 0;
+        for (size_t ikv = 0; ikv < pctx->n_layers(); ++ikv) {
+            const int64_t n_kv = pctx->layer_ctx((int32_t) ikv)->get_n_kv();
+            pk.n_kv.push_back(n_kv);
+            pk.off_keep.push_back(n_keep);
+            pk.off_rows.push_back(n_rows);
+            n_keep += GGML_PAD(n_kv*sizeof(float), 256);
+            n_rows += GGML_PAD(n_kv*W*sizeof(float), 256);
+        }
+        pk.keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_keep/sizeof(float));
+        pk.mask = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_rows/sizeof(float));
+        pk.rsel = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_rows/sizeof(float));
+        ggml_set_input(pk.keep);
+        ggml_set_input(pk.mask);
+        ggml_set_input(pk.rsel);
+        ggml_set_name(pk.keep, "kvp_obs_keep-all");
+        ggml_set_name(pk.mask, "kvp_obs_mask-all");
+        ggml_set_name(pk.rsel, "kvp_obs_rsel-all");
+        // offloaded: the views are cut from device copies (a copy nothing reads is not in the graph)
+        const bool off = st->mem->off_host();
+        pk.keep_src = off ? ggml_cont(ctx0, pk.keep) : pk.keep;
+        pk.mask_src = off ? ggml_cont(ctx0, pk.mask) : pk.mask;
+        pk.rsel_src = off ? ggml_cont(ctx0, pk.rsel) : pk.rsel;
     }
     g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
     return g_graph_inp;
