@@ -65,8 +65,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON")
     a = ap.parse_args(argv)
 
+    if a.n_gen < 1:
+        ap.error("--n-gen must be >= 1")
+    # the context holds the streamed text and the greedy tokens timed after it
     cfg = EvalConfig(kl_tokens=a.kl_tokens, stream=a.stream, needle_lengths=[int(x) for x in a.needle_lengths.split(",")],
-                     threads=a.threads, text_file=a.file)
+                     threads=a.threads, text_file=a.file, n_agree=max(EvalConfig.n_agree, a.n_gen))
     cfg.validate()
     full = Runner(None, cfg)
     tokens, hay = eval_texts(cfg, full.llm)
