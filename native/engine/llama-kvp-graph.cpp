@@ -87,6 +87,16 @@ public:
     std::vector<int32_t> layer_of_il;                                // model layer -> KV layer
 };
 
+ggml_tensor * llama_kvp_packed_input(ggml_context * ctx, ggml_type type, size_t n_bytes, const char * name,
+                                     bool device_copy, ggml_tensor ** src) {
+    GGML_ASSERT(n_bytes % ggml_type_size(type) == 0);
+    ggml_tensor * t = ggml_new_tensor_1d(ctx, type, (int64_t) (n_bytes/ggml_type_size(type)));
+    ggml_set_input(t);
+    ggml_set_name(t, name);
+    *src = device_copy ? ggml_cont(ctx, t) : t;
+    return t;
+}
+
 llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & gctx) {
     const auto * pctx = dynamic_cast<const llama_kvp_memory_context *>(gctx.mctx);
     if (!pctx) {
@@ -128,22 +138,15 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
         n_v_idxs += GGML_PAD(ggml_nbytes(v_shape[ikv]), 256);
         n_mask   += GGML_PAD(n_kv[ikv]*ubatch.n_tokens*ggml_type_size(mask_type), 256);
     }
-    const ggml_type idx_type = k_shape[0]->type;
-    inp->k_idxs_all = ggml_new_tensor_1d(ctx0, idx_type,  n_k_idxs/ggml_type_size(idx_type));
-    inp->v_idxs_all = ggml_new_tensor_1d(ctx0, idx_type,  n_v_idxs/ggml_type_size(idx_type));
-    inp->mask_all   = ggml_new_tensor_1d(ctx0, mask_type, n_mask/ggml_type_size(mask_type));
-    ggml_set_input(inp->k_idxs_all);
-    ggml_set_input(inp->v_idxs_all);
-    ggml_set_input(inp->mask_all);
-    ggml_set_name(inp->k_idxs_all, "attn_inp_k_idxs-all");
-    ggml_set_name(inp->v_idxs_all, "attn_inp_v_idxs-all");
-    ggml_set_name(inp->mask_all,   "attn_inp_kq_mask-all");
-
     // with a layer's cache off the host, the views are cut from a device copy of each input
-    const bool offloaded = mem->off_host();
-    ggml_tensor * k_idxs_src = offloaded ? ggml_cont(ctx0, inp->k_idxs_all) : inp->k_idxs_all;
-    ggml_tensor * v_idxs_src = offloaded ? ggml_cont(ctx0, inp->v_idxs_all) : inp->v_idxs_all;
-    ggml_tensor * mask_src   = offloaded ? ggml_cont(ctx0, inp->mask_all)   : inp->mask_all;
+    const ggml_type idx_type  = k_shape[0]->type;
+    const bool      offloaded = mem->off_host();
+    ggml_tensor * k_idxs_src = nullptr;
+    ggml_tensor * v_idxs_src = nullptr;
+    ggml_tensor * mask_src   = nullptr;
+    inp->k_idxs_all = llama_kvp_packed_input(ctx0, idx_type,  n_k_idxs, "attn_inp_k_idxs-all",  offloaded, &k_idxs_src);
+    inp->v_idxs_all = llama_kvp_packed_input(ctx0, idx_type,  n_v_idxs, "attn_inp_v_idxs-all",  offloaded, &v_idxs_src);
+    inp->mask_all   = llama_kvp_packed_input(ctx0, mask_type, n_mask,   "attn_inp_kq_mask-all", offloaded, &mask_src);
 
     for (size_t ikv = 0; ikv < n_layers; ++ikv) {
         const llama_kv_cache_context * lctx = pctx->layer_ctx((int32_t) ikv);

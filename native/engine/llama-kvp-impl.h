@@ -232,6 +232,12 @@ void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp); // its sparse-prefil
 class llm_graph_input_attn_kv;
 llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & gctx);
 
+// a graph input of n_bytes that the layers' inputs of one kind are views of (the scheduler uploads each input of an
+// offloaded split on its own, after a synchronisation); *src is what the views are cut from: the input itself, or with
+// device_copy its copy by a ggml_cont, which the scheduler runs on the device (a view of a host input stays on the host)
+ggml_tensor * llama_kvp_packed_input(ggml_context * ctx, ggml_type type, size_t n_bytes, const char * name,
+                                     bool device_copy, ggml_tensor ** src);
+
 // llm_graph_context::build_attn: the input of layer il (itself unless it is a per-layer input)
 llm_graph_input_attn_kv * llama_kvp_attn_inp_layer(llm_graph_input_attn_kv * inp, int il);
 

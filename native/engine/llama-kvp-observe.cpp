@@ -809,20 +809,11 @@ static llama_kvp_obs_input * llama_kvp_graph_obs_input(const llm_graph_context &
             n_keep += GGML_PAD(n_kv*sizeof(float), 256);
             n_rows += GGML_PAD(n_kv*W*sizeof(float), 256);
         }
-        pk.keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_keep/sizeof(float));
-        pk.mask = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_rows/sizeof(float));
-        pk.rsel = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_rows/sizeof(float));
-        ggml_set_input(pk.keep);
-        ggml_set_input(pk.mask);
-        ggml_set_input(pk.rsel);
-        ggml_set_name(pk.keep, "kvp_obs_keep-all");
-        ggml_set_name(pk.mask, "kvp_obs_mask-all");
-        ggml_set_name(pk.rsel, "kvp_obs_rsel-all");
-        // offloaded: the views are cut from device copies (a copy nothing reads is not in the graph)
+        // offloaded: the views are cut from device copies (an input or copy that nothing reads is not in the graph)
         const bool off = st->mem->off_host();
-        pk.keep_src = off ? ggml_cont(ctx0, pk.keep) : pk.keep;
-        pk.mask_src = off ? ggml_cont(ctx0, pk.mask) : pk.mask;
-        pk.rsel_src = off ? ggml_cont(ctx0, pk.rsel) : pk.rsel;
+        pk.keep = llama_kvp_packed_input(ctx0, GGML_TYPE_F32, n_keep, "kvp_obs_keep-all", off, &pk.keep_src);
+        pk.mask = llama_kvp_packed_input(ctx0, GGML_TYPE_F32, n_rows, "kvp_obs_mask-all", off, &pk.mask_src);
+        pk.rsel = llama_kvp_packed_input(ctx0, GGML_TYPE_F32, n_rows, "kvp_obs_rsel-all", off, &pk.rsel_src);
     }
     g_graph_inp = (llama_kvp_obs_input *) gctx.res->add_input(std::move(inp));
     return g_graph_inp;
