@@ -293,7 +293,7 @@ def main(argv: List[str] | None = None) -> int:
     summarise_json = res_dir / "summarise.json"
     if args.summarise:
         run([sys.executable, str(ROOT / "bench" / "summarise.py"), "--policies", "snapkv,entropy", "--budgets",
-             "0.25,0.1", "-t", str(args.threads), "-o", str(summarise_json)])
+             "0.25,0.1", "--n-gen", "600", "-t", str(args.threads), "-o", str(summarise_json)])
     freeze_json = res_dir / "freeze.json"
     if args.freeze:
         run([sys.executable, str(ROOT / "bench" / "freeze.py"), "-n", "500", "--policy", "freeze", "--policy",

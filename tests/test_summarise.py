@@ -240,3 +240,37 @@ def test_summarise_runs_with_v_transposed_and_with_flash_attention(model_path, t
         assert np.isfinite(logits).all()
         assert llm.kv_summary().n_bins > 0
         llm.close()
+
+
+def test_the_prompts_last_leavers_are_summarised_when_it_ends(model_path, text):
+    """A bin larger than all a prompt's leavers: full prompt chunks leave them pending, the first decode step (a
+    ubatch shorter than a chunk) fits them as one partial bin per layer with rank*n/bin centroids."""
+    bin_, rank = 4096, 64
+    llm = Llama(model_path, n_ctx=1024, n_batch=512, n_ubatch=512, verbose=False,
+                kv_policy=f"snapkv:budget=96+summarise:bin={bin_},rank={rank}")
+    n_layers = len(llm.kv_memory().layers)
+    llm.eval(text[:512])  # four full chunks of 128
+    s = llm.kv_summary()
+    assert s.n_bins == 0 and s.n_pending > 250 * n_layers  # the leavers of the first three chunks
+    llm.eval(text[512:513])
+    s = llm.kv_summary()
+    assert s.n_bins == n_layers and s.n_fallback == 0 and s.n_pending == 0
+    assert s.n_tokens > 400 * n_layers
+    # about rank/bin centroids per summarised token: ~64 tokens per centroid cell
+    assert abs(s.n_centroids - s.n_tokens * rank / bin_) <= n_layers
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    assert np.isfinite(logits).all()
+    llm.close()
+
+
+def test_a_rest_worth_one_centroid_waits_for_more(model_path, text):
+    """With 32 tokens per centroid a bin's rest is fitted from 64 tokens: a decode step after a prompt leaves at most
+    63 per layer pending, and never fits fewer than two centroids."""
+    llm = Llama(model_path, n_ctx=1024, n_batch=512, n_ubatch=512, verbose=False,
+                kv_policy="snapkv:budget=96+summarise:bin=256,rank=8")
+    llm.eval(text[:600])
+    llm.eval(text[600:601])
+    s = llm.kv_summary()
+    assert s.n_bins > 0 and s.n_pending < 64 * len(llm.kv_memory().layers)
+    assert s.n_centroids >= 2 * s.n_bins - s.n_fallback * 8
+    llm.close()

@@ -319,6 +319,7 @@ void llama_kvp_memory::restart_budgets(int32_t n) {
 
 void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
     const int32_t n = (int32_t) layers.size();
+    n_ubatch_cur = n_tokens;
 
     // budgets decided from the attention entropy: (re)decided whenever a prompt ubatch was observed, from the mean
     // entropy of the prompt observations so far (decode-step observations refresh scores, not budgets)

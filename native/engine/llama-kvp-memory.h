@@ -186,6 +186,7 @@ public:
     int64_t host_bytes_peak = 0;
     int64_t n_rerank        = 0; // latent re-rankings (schedule stage `latent`), per layer
     int32_t n_since_prompt  = 0; // decode steps since the last prompt ubatch
+    uint32_t n_ubatch_cur   = 0; // tokens of the ubatch being prepared
     int32_t n_steps_total   = 0; // decode steps since the memory was created
 
     std::unique_ptr<llama_kvp_layer_state> sched_state; // the schedule stage's state of the whole memory (nullptr: none)
