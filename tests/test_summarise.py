@@ -263,14 +263,22 @@ def test_the_prompts_last_leavers_are_summarised_when_it_ends(model_path, text):
     llm.close()
 
 
-def test_a_rest_worth_one_centroid_waits_for_more(model_path, text):
-    """With 32 tokens per centroid a bin's rest is fitted from 64 tokens: a decode step after a prompt leaves at most
-    63 per layer pending, and never fits fewer than two centroids."""
+@pytest.mark.parametrize("n_prompt, fitted", [(450, False), (500, True)])
+def test_a_rest_is_fitted_only_when_worth_two_centroids(model_path, text, n_prompt, fitted):
+    """bin=256, rank=4 (64 tokens per centroid): after the first decode step each layer holds one full bin and a rest
+    of ~100 tokens (prompt 450), which waits though worth one centroid and a half, or of ~150 (prompt 500), which
+    is fitted."""
     llm = Llama(model_path, n_ctx=1024, n_batch=512, n_ubatch=512, verbose=False,
-                kv_policy="snapkv:budget=96+summarise:bin=256,rank=8")
-    llm.eval(text[:600])
-    llm.eval(text[600:601])
+                kv_policy="snapkv:budget=96+summarise:bin=256,rank=4")
+    n_layers = len(llm.kv_memory().layers)
+    llm.eval(text[:n_prompt])
+    llm.eval(text[n_prompt:n_prompt + 1])
     s = llm.kv_summary()
-    assert s.n_bins > 0 and s.n_pending < 64 * len(llm.kv_memory().layers)
-    assert s.n_centroids >= 2 * s.n_bins - s.n_fallback * 8
+    assert s.n_fallback == 0
+    if fitted:
+        assert s.n_bins == 2 * n_layers and s.n_pending == 0
+        assert 256 * n_layers < s.n_tokens < 512 * n_layers
+    else:
+        assert s.n_bins == n_layers and s.n_tokens == 256 * n_layers
+        assert 64 * n_layers <= s.n_pending < 128 * n_layers
     llm.close()

@@ -408,26 +408,30 @@ static void llama_kvp_group_keys(const float * k, int32_t d, int32_t * idx, int3
     llama_kvp_group_keys(k, d, idx + n_left, n - n_left, r0, gm, g1);
 }
 
-// the bins that close when n tokens are pending, as (tokens, centroids): every full bin of `bin` tokens with `rank`
-// centroids; then, on a ubatch shorter than a prompt chunk (a decode step, a streamed chunk, the prompt's end), the
-// rest too if it is worth at least two centroids (2*bin/rank tokens), with rank*rest/bin of them. Measured (SmolLM2,
-// essays KL text, 2k tokens at 10%, 768/12): without the rest, the prompt's last up to bin-1 leavers wait unsummarised
-// while the stream is scored; with it, SnapKV's streamed KL 0.0397 against 0.0522 for eviction. A rest of one
-// centroid's worth is not fitted: one centroid per KV head stands for dissimilar keys (64/1: 2.4x eviction's KL).
-static std::vector<std::pair<int32_t, int32_t>> llama_kvp_summarise_bins(const llama_kvp_memory & mem, size_t n) {
-    std::vector<std::pair<int32_t, int32_t>> res;
-    const int32_t bin  = mem.policy.bin;
-    const int32_t rank = mem.policy.rank;
-    for (; n >= (size_t) bin; n -= bin) {
-        res.emplace_back(bin, rank);
+// the bins that close when n tokens are pending: every full bin of `bin` tokens with `rank` centroids; then, on a
+// ubatch shorter than a prompt chunk (a decode step, a streamed chunk, the prompt's end), the rest too if it is worth
+// at least two centroids (2*bin/rank tokens), with rank*rest/bin of them. Measured (SmolLM2, essays KL text, 2k
+// tokens at 10%, 768/12): without the rest, the prompt's last up to bin-1 leavers wait unsummarised while the stream
+// is scored; with it, SnapKV's streamed KL 0.0397 against 0.0522 for eviction. A rest of one centroid's worth is not
+// fitted: one centroid per KV head stands for dissimilar keys (64/1: 2.4x eviction's KL).
+struct llama_kvp_summarise_bins {
+    int32_t n_full    = 0; // full bins
+    int32_t n_rest    = 0; // tokens of the rest fitted (0: none)
+    int32_t rank_rest = 0; // its centroids
+
+    llama_kvp_summarise_bins(const llama_kvp_memory & mem, size_t n) {
+        const int32_t bin  = mem.policy.bin;
+        const int32_t rank = mem.policy.rank;
+        n_full = (int32_t) (n/bin);
+        const int64_t rest = (int64_t) (n % bin);
+        if (mem.n_ubatch_cur < mem.chunk && rank >= 2 && rest*rank >= 2*(int64_t) bin) {
+            n_rest    = (int32_t) rest;
+            rank_rest = (int32_t) std::max<int64_t>(2, std::min<int64_t>((rest*rank + bin/2)/bin, rest - 1));
+        }
     }
-    const uint32_t n_full = std::min<uint32_t>(mem.chunk, mem.cparams.n_batch);
-    if (mem.n_ubatch_cur < n_full && rank >= 2 && (int64_t) n*rank >= 2*(int64_t) bin) {
-        const int32_t r = (int32_t) std::min<int64_t>(((int64_t) n*rank + bin/2)/bin, (int64_t) n - 1);
-        res.emplace_back((int32_t) n, std::max(2, r));
-    }
-    return res;
-}
+
+    uint32_t n_cells(const llama_kvp_policy & p) const { return (uint32_t) (n_full*p.rank + rank_rest); }
+};
 
 struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     llama_kvp_fate_summarise() : llama_kvp_fate_stage(LLAMA_KVP_FATE_SUMMARISE, LLAMA_KVP_SLOT_FATE, "summarise", "bin,rank",
@@ -472,11 +476,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     uint32_t n_added(const llama_kvp_memory & mem, int32_t ikv, uint32_t n_leaving) const override {
         const auto & L = mem.layers[ikv];
         const size_t n_pending = L.fate ? static_cast<const llama_kvp_summarise_state &>(*L.fate).pos.size() : 0;
-        uint32_t add = 0;
-        for (const auto & b : llama_kvp_summarise_bins(mem, n_pending + n_leaving)) {
-            add += (uint32_t) b.second;
-        }
-        return add;
+        return llama_kvp_summarise_bins(mem, n_pending + n_leaving).n_cells(mem.policy);
     }
 
     void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const override {
@@ -545,8 +545,12 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             i_in++;
         }
 
-        for (const auto & b : llama_kvp_summarise_bins(mem, S.pos.size())) {
-            summarise_bin(mem, ikv, S, kt, vt, v_trans, b.first, b.second);
+        const llama_kvp_summarise_bins bins(mem, S.pos.size());
+        for (int32_t b = 0; b < bins.n_full; ++b) {
+            summarise_bin(mem, ikv, S, kt, vt, v_trans, mem.policy.bin, mem.policy.rank);
+        }
+        if (bins.n_rest > 0) {
+            summarise_bin(mem, ikv, S, kt, vt, v_trans, bins.n_rest, bins.rank_rest);
         }
         S.t_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     }
