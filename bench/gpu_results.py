@@ -85,6 +85,43 @@ def _kvbench_table(res: Optional[Dict[str, Any]], what: str) -> str:
     return "\n".join(lines)
 
 
+def _whole_model(d: Path) -> str:
+    """The latest whole-model run (a session folder with *full-kvbench-policies.json); '' when there is none."""
+    runs = sorted(p for p in d.glob("session*/*full-kvbench-policies.json"))
+    if not runs:
+        return ""
+    pol = runs[-1]
+    pre = pol.name[: -len("full-kvbench-policies.json")]
+    run = pol.parent
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted(run.glob(f"{pre}*.log")))
+    device = _device(logs)
+    parts = [f"""
+### The whole model (30 layers), latest run: {run.name}
+
+SmolLM2-135M Q4_1, every layer offloaded unless the table says otherwise, on {device}; 8k-token prompts from the
+essays, 64 decode steps (`{run.name}/full-model-run.sh`; raw outputs beside it). The limit is the full cache decoding at
+the depth of the budget.
+
+{_backend_table(_json(run / f"{pre}full-kvp-backend-check.json"))}
+
+Retention policies at 8k / 10%:
+
+{_kvbench_table(_json(pol), 'retention policies')}
+
+Fates that move K/V between the GPU and the host:
+
+{_kvbench_table(_json(run / f"{pre}full-kvbench-fates.json"), 'fates')}
+"""]
+    split = _json(run / f"{pre}full-kvbench-ngl15.json")
+    if split is not None:
+        parts.append(f"""
+Half the layers on the GPU (`-ngl 15` of 30):
+
+{_kvbench_table(split, 'split caches')}
+""")
+    return "".join(parts)
+
+
 def markdown(d: Path) -> str:
     """The section for the session outputs in folder d ('' when it holds none)."""
     log_path = d / "gpu-session.log"
@@ -123,7 +160,7 @@ nothing of fidelity), prompts from the essays. Raw outputs and the session log: 
 ### kvbench -ngl 99: fates that move K/V between the GPU and the host
 
 {_kvbench_table(_json(d / 'kvbench-fates.json'), 'fates')}
-"""]
+""", _whole_model(d)]
     split = _json(d / "kvp-backend-check-ngl4.json")
     if split is not None:
         parts.append(f"""

@@ -70,6 +70,8 @@ struct kvbench_result {
     double               t_gen         = 0.0; // all decode steps (s)
     double               density       = 1.0; // sparse prefill: key blocks computed / dense, in ubatches that ran sparse
     int32_t              n_recover[4]  = { 0, 0, 0, 0 }; // recovery ladder events by level (all repetitions)
+    int32_t              n_gen_steps   = 0;   // decode steps timed (all repetitions)
+    int32_t              n_gen_reused  = 0;   // of them, steps whose compute graph llama.cpp reused (not rebuilt)
 
     // host tier (fate stage `host`): peak bytes of the last repetition, token moves per repetition (all layers)
     int32_t host            = 0; // 1: the policy has a host tier
@@ -388,6 +390,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             const bool ladder = pol.stage[LLAMA_KVP_SLOT_SCHEDULE] == LLAMA_KVP_SCHEDULE_FREEZE && pol.z > 0.0f;
             std::vector<llama_token> fed;
             int32_t n_rewalk = 0;
+            const int32_t n_reused0 = llama_perf_context(ctx).n_reused;
             try {
                 for (int32_t i = 0; i < r.n_gen; ++i) {
                     fed.push_back(tok);
@@ -433,6 +436,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             }
             llama_batch_free(batch);
             llama_batch_free(batch_lim);
+            r.n_gen_reused += llama_perf_context(ctx).n_reused - n_reused0;
             r.tg_ts.push_back(r.n_gen/t_gen);
             if (n_lim > 0) {
                 r.lim_tg_ts.push_back(n_lim/t_lim);
@@ -452,6 +456,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         }
     }
     r.n_obs_steps = (int32_t) r.t_obs_steps.size();
+    r.n_gen_steps = (int32_t) step_t.size();
     if (!plain.empty()) {
         std::nth_element(plain.begin(), plain.begin() + plain.size()/2, plain.end());
         r.t_plain = plain[plain.size()/2];
@@ -565,7 +570,8 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
             pp, pp_sd, kvbench_json_list(r.pp_ts).c_str(), tg, tg_sd, kvbench_json_list(r.tg_ts).c_str());
     printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
             r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
-    printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d,\n", r.n_evicted, r.obs_overhead, r.n_obs_steps);
+    printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,\n",
+            r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused);
     printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
             r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
     printf("     \"n_recover\": [%d, %d, %d, %d],\n", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
