@@ -112,6 +112,15 @@ Fates that move K/V between the GPU and the host:
 
 {_kvbench_table(_json(run / f"{pre}full-kvbench-fates.json"), 'fates')}
 """]
+    for n in (64, 512):
+        later = _json(run / f"{pre}summarise-kvbench-n{n}.json")
+        if later is not None:
+            parts.append(f"""
+Summarise, rerun after its fits became one parallel pass over every layer's closed bins (later, on another H100,
+`{run.name}/summarise-run.sh`), {n} decode steps:
+
+{_kvbench_table(later, 'summarise')}
+""")
     split = _json(run / f"{pre}full-kvbench-ngl15.json")
     if split is not None:
         parts.append(f"""

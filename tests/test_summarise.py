@@ -282,3 +282,23 @@ def test_a_rest_is_fitted_only_when_worth_two_centroids(model_path, text, n_prom
         assert s.n_bins == n_layers and s.n_tokens == 256 * n_layers
         assert 64 * n_layers <= s.n_pending < 128 * n_layers
     llm.close()
+
+
+def test_the_fits_give_the_same_centroids_for_any_thread_count(model_path, text):
+    """The bins of every layer are fitted in parallel (one task per bin and KV head): one thread or two, the same
+    bins, centroids, fit errors and next-token logits."""
+    seen = []
+    for n_threads in (1, 2):
+        llm = Llama(model_path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=n_threads, n_threads_batch=n_threads,
+                    verbose=False, kv_policy="snapkv:budget=96+summarise:bin=128,rank=4")
+        llm.eval(text[:600])
+        llm.eval(text[600:601])  # the first decode step: the prompt's rest, in every layer at once
+        s = llm.kv_summary()
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+        seen.append((s.n_bins, s.n_centroids, s.n_fallback, s.fit_err, s.fit_lse_err, s.state.copy(), logits))
+        llm.close()
+    (a, b) = seen
+    assert a[0] > 0 and a[2] == 0
+    assert a[:5] == b[:5]
+    assert np.array_equal(a[5], b[5])
+    np.testing.assert_array_equal(a[6], b[6])

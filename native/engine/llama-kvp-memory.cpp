@@ -365,6 +365,7 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
             resize(i, cap);
         }
     }
+    stage_fate->after_evictions(*this);
 }
 
 void llama_kvp_memory::cells_in_order(int32_t ikv, std::vector<llama_kvp_cell> & cells) {

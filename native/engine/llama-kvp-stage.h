@@ -131,6 +131,10 @@ struct llama_kvp_fate_stage : llama_kvp_stage {
     // the stage frees their cells and may fill free cells with its own (at most n_added of them)
     virtual void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const = 0;
 
+    // called once after every layer's eviction of a step: work the stage deferred in leave, done for all layers at
+    // once (summarise fits the bins that closed, in parallel)
+    virtual void after_evictions(llama_kvp_memory & mem) const { (void) mem; }
+
     // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
     virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
 

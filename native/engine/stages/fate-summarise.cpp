@@ -22,6 +22,9 @@
 // bin's share of mass; this is the consistent version of that idea. A fit that fails (not positive definite, not
 // finite) drops its bin instead, counted. Centroid cells count against the layer's budget (the memory evicts as many
 // more tokens), share the summed score of the bin's tokens until observed, and are dropped when they leave in turn.
+// Bins close in leave() and are fitted once every layer has evicted (after_evictions): one task per (bin, KV head),
+// shared out among the context's threads, so a step that closes bins in many layers (the prompt's end, the first
+// decode step) takes the longest fit's time per thread, not the sum of all fits.
 
 #include "llama-kvp-stage.h"
 #include "llama-kvp-impl.h"
@@ -31,10 +34,12 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 //
@@ -120,6 +125,7 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
     std::vector<double> lse_bin(m);
     std::vector<double> t((size_t) m*dv, 0.0);
     std::vector<float>  row(n);
+    std::vector<double> ex(n); // exp(logit - the query's largest)
     std::vector<float>  ti(dv);
     for (int32_t i = 0; i < m; ++i) {
         const float * qi = q + (size_t) i*d;
@@ -141,6 +147,7 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
         for (int32_t j = 0; j < n; ++j) {
             const double p  = std::exp(lg[(size_t) i*n + j] - mx);
             const float  pf = (float) p;
+            ex[j] = p;
             z += p;
             const float * vj = v + (size_t) j*dv;
             for (int32_t e = 0; e < dv; ++e) {
@@ -151,12 +158,22 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
             t[(size_t) i*dv + e] = ti[e]/z;
         }
         lse_bin[i] = mx + std::log(z);
+        // each run's log mass from the same exponentials; a run whose terms all underflow (logits ~700 below the
+        // query's largest) again with its own maximum
         for (int32_t r = 0; r < rank; ++r) {
+            double zr = 0.0;
+            for (int32_t j = r0[r]; j < r0[r + 1]; ++j) {
+                zr += ex[j];
+            }
+            if (zr > 1e-280) {
+                lse_run[(size_t) i*rank + r] = mx + std::log(zr);
+                continue;
+            }
             double mr = -INFINITY;
             for (int32_t j = r0[r]; j < r0[r + 1]; ++j) {
                 mr = std::max(mr, lg[(size_t) i*n + j]);
             }
-            double zr = 0.0;
+            zr = 0.0;
             for (int32_t j = r0[r]; j < r0[r + 1]; ++j) {
                 zr += std::exp(lg[(size_t) i*n + j] - mr);
             }
@@ -314,6 +331,8 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     std::vector<ggml_fp16_t> v;    // coarser than the cache's own types), their V rows (n_embd_v_gqa each)
     std::vector<llama_pos> done;   // positions summarised (telemetry)
     llama_pos              pos_max = -1; // the largest position pending or summarised (forget has nothing past it)
+    std::vector<std::pair<int32_t, int32_t>> closing; // bins that closed in this step's eviction: (tokens, centroids),
+                                                      // the first pending tokens in this order (fitted in after_evictions)
 
     int64_t n_bins     = 0;
     int64_t n_fallback = 0;
@@ -322,6 +341,32 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     double  err_sum    = 0.0;
     double  lse_sum    = 0.0;
     double  t_ms       = 0.0;
+};
+
+// the bin state of KV layer ikv if bins closed in it this step (nullptr if none)
+static llama_kvp_summarise_state * llama_kvp_summarise_closing(llama_kvp_memory & mem, int32_t ikv) {
+    auto & L = mem.layers[ikv];
+    if (!L.fate) {
+        return nullptr;
+    }
+    auto & S = static_cast<llama_kvp_summarise_state &>(*L.fate);
+    return S.closing.empty() ? nullptr : &S;
+}
+
+// a bin that closed: its tokens are the layer's pending [off, off + n), fitted into `rank` centroids per KV head
+struct llama_kvp_summarise_job {
+    int32_t ikv   = 0;
+    int32_t off   = 0;
+    int32_t n     = 0;
+    int32_t rank  = 0;
+    int32_t n_q   = 0;     // reference queries (the layer's observation window)
+    float   scale = 0.0f;
+    std::vector<float>   q;     // [n_q][n_head*n_embd_head]
+    std::vector<float>   kc;    // centroids [rank][n_embd_k_gqa]
+    std::vector<float>   vc;    // [rank][n_embd_v_gqa]
+    std::vector<int32_t> cnt;   // tokens per centroid
+    std::vector<char>    ok_h;  // per KV head: the fit succeeded
+    std::vector<float>   err_h; // per KV head: output and log-mass errors
 };
 
 static llama_kvp_summarise_state & llama_kvp_summarise_of(llama_kvp_mem_layer & L) {
@@ -350,53 +395,70 @@ static void llama_kvp_row_set(ggml_tensor * t, uint32_t j, std::vector<uint8_t> 
 
 // orders tokens idx[0..n) (rows of k [*][d]) so that the groups of sizes r0[g+1] - r0[g], g in [g0, g1), are
 // contiguous and each holds similar keys: the set is split by its projection on its principal direction (power
-// iteration), recursively, into parts of the required sizes
+// iteration on the centred keys, in float with contiguous inner loops), recursively, into parts of the required sizes;
+// c is scratch of n*d floats
 static void llama_kvp_group_keys(const float * k, int32_t d, int32_t * idx, int32_t n, const std::vector<int32_t> & r0,
-                                 int32_t g0, int32_t g1) {
+                                 int32_t g0, int32_t g1, float * c) {
     if (g1 - g0 <= 1 || n <= 1) {
         return;
     }
     std::vector<double> mean(d, 0.0);
     for (int32_t j = 0; j < n; ++j) {
+        const float * kj = k + (size_t) idx[j]*d;
         for (int32_t e = 0; e < d; ++e) {
-            mean[e] += k[(size_t) idx[j]*d + e];
+            mean[e] += kj[e];
         }
     }
     for (auto & x : mean) {
         x /= n;
     }
-    std::vector<double> u(d, 1.0/std::sqrt((double) d)), w(d);
-    auto proj = [&](const float * kj) { // the centred key's coordinate along u
-        double t = 0.0;
+    // the centred keys, once
+    for (int32_t j = 0; j < n; ++j) {
+        const float * kj = k + (size_t) idx[j]*d;
+        float       * cj = c + (size_t) j*d;
         for (int32_t e = 0; e < d; ++e) {
-            t += (kj[e] - mean[e])*u[e];
+            cj[e] = (float) (kj[e] - mean[e]);
         }
-        return t;
+    }
+    std::vector<float> u(d, 1.0f/std::sqrt((float) d));
+    std::vector<float> w(d);
+    std::vector<float> t(n);
+    auto project = [&]() { // t = C u
+        for (int32_t j = 0; j < n; ++j) {
+            const float * cj = c + (size_t) j*d;
+            float acc = 0.0f;
+            for (int32_t e = 0; e < d; ++e) {
+                acc += cj[e]*u[e];
+            }
+            t[j] = acc;
+        }
     };
     for (int it = 0; it < 12; ++it) {
-        std::fill(w.begin(), w.end(), 0.0);
+        project();
+        std::fill(w.begin(), w.end(), 0.0f); // w = C^T t
         for (int32_t j = 0; j < n; ++j) {
-            const float * kj = k + (size_t) idx[j]*d;
-            const double  t  = proj(kj);
+            const float * cj = c + (size_t) j*d;
+            const float   tj = t[j];
             for (int32_t e = 0; e < d; ++e) {
-                w[e] += t*(kj[e] - mean[e]);
+                w[e] += tj*cj[e];
             }
         }
         double nrm = 0.0;
-        for (double x : w) {
-            nrm += x*x;
+        for (float x : w) {
+            nrm += (double) x*x;
         }
         nrm = std::sqrt(nrm);
         if (!(nrm > 0.0)) {
             break;
         }
         for (int32_t e = 0; e < d; ++e) {
-            u[e] = w[e]/nrm;
+            u[e] = (float) (w[e]/nrm);
         }
     }
-    std::vector<std::pair<double, int32_t>> order(n);
+    project();
+    std::vector<std::pair<float, int32_t>> order(n);
     for (int32_t j = 0; j < n; ++j) {
-        order[j] = { proj(k + (size_t) idx[j]*d), idx[j] };
+        order[j] = { t[j], idx[j] };
     }
     std::sort(order.begin(), order.end());
     for (int32_t j = 0; j < n; ++j) {
@@ -404,8 +466,8 @@ static void llama_kvp_group_keys(const float * k, int32_t d, int32_t * idx, int3
     }
     const int32_t gm     = (g0 + g1)/2;
     const int32_t n_left = r0[gm] - r0[g0];
-    llama_kvp_group_keys(k, d, idx,          n_left,     r0, g0, gm);
-    llama_kvp_group_keys(k, d, idx + n_left, n - n_left, r0, gm, g1);
+    llama_kvp_group_keys(k, d, idx,          n_left,     r0, g0, gm, c);
+    llama_kvp_group_keys(k, d, idx + n_left, n - n_left, r0, gm, g1, c);
 }
 
 // the bins that close when n tokens are pending: every full bin of `bin` tokens with `rank` centroids; then, on a
@@ -435,7 +497,7 @@ struct llama_kvp_summarise_bins {
 
 struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     llama_kvp_fate_summarise() : llama_kvp_fate_stage(LLAMA_KVP_FATE_SUMMARISE, LLAMA_KVP_SLOT_FATE, "summarise", "bin,rank",
-            "leaving tokens go to a bin of `bin` tokens per layer, replaced when full by `rank` fitted centroid cells") {}
+            "leaving tokens go to a bin of `bin` tokens per layer, replaced by `rank` fitted centroid cells when full (a rest of 2*bin/rank or more when a prompt ends)") {}
 
     // 768 tokens in 12 centroids (64 tokens per centroid cell): large bins group the prompt's many leavers into
     // centroids of similar keys and leave more of the budget to real tokens (docs/NOTES.md, issue 14)
@@ -546,13 +608,116 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         }
 
         const llama_kvp_summarise_bins bins(mem, S.pos.size());
+        S.closing.clear();
         for (int32_t b = 0; b < bins.n_full; ++b) {
-            summarise_bin(mem, ikv, S, kt, vt, v_trans, mem.policy.bin, mem.policy.rank);
+            S.closing.emplace_back(mem.policy.bin, mem.policy.rank);
         }
         if (bins.n_rest > 0) {
-            summarise_bin(mem, ikv, S, kt, vt, v_trans, bins.n_rest, bins.rank_rest);
+            S.closing.emplace_back(bins.n_rest, bins.rank_rest);
         }
         S.t_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+
+    // the bins that closed in every layer's eviction of this step, fitted together: one task per (bin, KV head),
+    // shared out among the context's threads (the compute threads are idle while the memory evicts); the same
+    // results for any number of threads
+    void after_evictions(llama_kvp_memory & mem) const override {
+        const auto t0 = std::chrono::steady_clock::now();
+        llama_kvp_context * st = mem.st;
+        std::vector<llama_kvp_summarise_job> jobs;
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            llama_kvp_summarise_state * Sp = llama_kvp_summarise_closing(mem, ikv);
+            if (!Sp) {
+                continue;
+            }
+            auto & S = *Sp;
+            std::vector<float> qbuf;
+            const int32_t n_q   = st ? llama_kvp_obs_layer_queries(st, ikv, qbuf) : 0;
+            const float   scale = st ? st->layers[ikv].kq_scale : 0.0f;
+            int32_t off = 0;
+            for (const auto & c : S.closing) {
+                llama_kvp_summarise_job j;
+                j.ikv   = ikv;
+                j.off   = off;
+                j.n     = c.first;
+                j.rank  = c.second;
+                j.n_q   = n_q;
+                j.scale = scale;
+                j.q     = qbuf;
+                off += c.first;
+                jobs.push_back(std::move(j));
+            }
+        }
+        if (jobs.empty()) {
+            return;
+        }
+        const int32_t n_head_kv = st ? st->n_head_kv : 0;
+        const bool    fits      = st && n_head_kv > 0 && st->n_head % n_head_kv == 0;
+        std::vector<std::pair<int32_t, int32_t>> tasks; // (job, KV head)
+        for (int32_t i = 0; i < (int32_t) jobs.size(); ++i) {
+            auto & j = jobs[i];
+            ggml_tensor * kt = llama_kvp_kv_access::layer_k(*mem.layers[j.ikv].kv, 0);
+            ggml_tensor * vt = llama_kvp_kv_access::layer_v(*mem.layers[j.ikv].kv, 0);
+            j.kc.assign((size_t) j.rank*kt->ne[0], 0.0f);
+            j.vc.assign((size_t) j.rank*vt->ne[0], 0.0f);
+            j.cnt.assign(j.rank, 0);
+            j.ok_h.assign(std::max(n_head_kv, 1), 0);
+            j.err_h.assign((size_t) 2*std::max(n_head_kv, 1), 0.0f);
+            if (fits && j.n_q > 0 && j.scale > 0.0f) {
+                for (int32_t h = 0; h < n_head_kv; ++h) {
+                    tasks.emplace_back(i, h);
+                }
+            }
+        }
+        const int32_t n_threads = (int32_t) (mem.n_ubatch_cur > 1 ? mem.cparams.n_threads_batch : mem.cparams.n_threads);
+        const int32_t n_thr     = std::max(1, std::min<int32_t>((int32_t) tasks.size(), n_threads));
+        std::atomic<int32_t> next(0);
+        auto work = [&]() {
+            std::vector<float> scratch;
+            for (int32_t t = next++; t < (int32_t) tasks.size(); t = next++) {
+                auto & j = jobs[tasks[t].first];
+                fit_head(mem, j, tasks[t].second, scratch);
+            }
+        };
+        std::vector<std::thread> workers;
+        for (int32_t t = 1; t < n_thr; ++t) {
+            workers.emplace_back(work);
+        }
+        work();
+        for (auto & w : workers) {
+            w.join();
+        }
+        const double t_fit = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+        // the centroids into their layers, bin by bin in the order they closed (each layer's fit time: the fits' wall
+        // time shared by tokens); then the fitted tokens leave the bin
+        int64_t n_tokens = 0;
+        for (const auto & j : jobs) {
+            n_tokens += j.n;
+        }
+        for (auto & j : jobs) {
+            auto & S = static_cast<llama_kvp_summarise_state &>(*mem.layers[j.ikv].fate);
+            place_bin(mem, j, S, n_head_kv);
+            S.t_ms += t_fit*(double) j.n/(double) n_tokens;
+        }
+        for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
+            llama_kvp_summarise_state * Sp = llama_kvp_summarise_closing(mem, ikv);
+            if (!Sp) {
+                continue;
+            }
+            auto & S = *Sp;
+            int32_t n = 0;
+            for (const auto & c : S.closing) {
+                n += c.first;
+            }
+            const size_t n_embd_k = S.pos.empty() ? 0 : S.k.size()/S.pos.size();
+            const size_t n_embd_v = S.pos.empty() ? 0 : S.v.size()/S.pos.size();
+            S.pos.erase(S.pos.begin(), S.pos.begin() + n);
+            S.score.erase(S.score.begin(), S.score.begin() + n);
+            S.k.erase(S.k.begin(), S.k.begin() + (size_t) n*n_embd_k);
+            S.v.erase(S.v.begin(), S.v.begin() + (size_t) n*n_embd_v);
+            S.closing.clear();
+        }
     }
 
     void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const override {
@@ -595,116 +760,124 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     }
 
 private:
-    // replaces the first n pending tokens of KV layer ikv with `rank` centroid cells (or drops them if the fit fails)
-    void summarise_bin(llama_kvp_memory & mem, int32_t ikv, llama_kvp_summarise_state & S, ggml_tensor * kt, ggml_tensor * vt, bool v_trans,
-                       int32_t n, int32_t rank) const {
-        auto & L = mem.layers[ikv];
+    // fits the bin of job j for KV head h (its K and V of the bin's tokens, grouped by similar keys) into j.kc, j.vc
+    void fit_head(const llama_kvp_memory & mem, llama_kvp_summarise_job & j, int32_t h, std::vector<float> & scratch) const {
+        const llama_kvp_context * st = mem.st;
+        const auto & S = static_cast<const llama_kvp_summarise_state &>(*mem.layers[j.ikv].fate);
+        const int64_t n_embd_k  = (int64_t) (j.kc.size()/j.rank);
+        const int64_t n_embd_v  = (int64_t) (j.vc.size()/j.rank);
+        const int32_t n_head_kv = st->n_head_kv;
+        const int32_t g  = st->n_head/n_head_kv;
+        const int32_t d  = (int32_t) (n_embd_k/n_head_kv);
+        const int32_t dv = (int32_t) (n_embd_v/n_head_kv);
+        const int32_t m  = j.n_q*g;
+        const int32_t n  = j.n;
+        const int32_t rank = j.rank;
+        std::vector<int32_t> r0(rank + 1); // the group sizes the fit uses
+        for (int32_t r = 0; r <= rank; ++r) {
+            r0[r] = (int32_t) (((int64_t) r*n)/rank);
+        }
+        std::vector<float> qh((size_t) m*d), kh((size_t) n*d), vh((size_t) n*dv), ko((size_t) rank*d), vo((size_t) rank*dv);
+        std::vector<float> kall((size_t) n*d);
+        std::vector<int32_t> grp(n);
+        scratch.resize((size_t) n*d);
+        for (int32_t i = 0; i < j.n_q; ++i) {
+            for (int32_t a = 0; a < g; ++a) {
+                const float * src = j.q.data() + (size_t) i*st->n_head*st->n_embd_head + (size_t) (h*g + a)*st->n_embd_head;
+                std::copy_n(src, d, qh.data() + (size_t) (i*g + a)*d);
+            }
+        }
+        // this head's keys of the bin, split into groups of similar keys (the fit's runs)
+        const ggml_fp16_t * k0 = S.k.data() + (size_t) j.off*n_embd_k;
+        const ggml_fp16_t * v0 = S.v.data() + (size_t) j.off*n_embd_v;
+        for (int32_t t = 0; t < n; ++t) {
+            ggml_fp16_to_fp32_row(k0 + (size_t) t*n_embd_k + (size_t) h*d, kall.data() + (size_t) t*d, d);
+        }
+        std::iota(grp.begin(), grp.end(), 0);
+        llama_kvp_group_keys(kall.data(), d, grp.data(), n, r0, 0, rank, scratch.data());
+        for (int32_t t = 0; t < n; ++t) {
+            std::copy_n(kall.data() + (size_t) grp[t]*d, d, kh.data() + (size_t) t*d);
+            ggml_fp16_to_fp32_row(v0 + (size_t) grp[t]*n_embd_v + (size_t) h*dv, vh.data() + (size_t) t*dv, dv);
+        }
+        std::vector<int32_t> cnt(rank);
+        j.ok_h[h] = llama_kvp_summarise_fit(qh.data(), m, kh.data(), vh.data(), n, d, dv, j.scale, rank,
+                                            ko.data(), vo.data(), cnt.data(), j.err_h.data() + 2*h) == 0;
+        if (j.ok_h[h]) {
+            for (int32_t r = 0; r < rank; ++r) {
+                std::copy_n(ko.data() + (size_t) r*d,  d,  j.kc.data() + (size_t) r*n_embd_k + (size_t) h*d);
+                std::copy_n(vo.data() + (size_t) r*dv, dv, j.vc.data() + (size_t) r*n_embd_v + (size_t) h*dv);
+            }
+            if (h == 0) {
+                j.cnt = cnt; // the same group sizes in every head
+            }
+        }
+    }
+
+    // puts the centroid cells of job j into its layer (or drops the bin if a head's fit failed)
+    void place_bin(llama_kvp_memory & mem, const llama_kvp_summarise_job & j, llama_kvp_summarise_state & S, int32_t n_head_kv) const {
+        auto & L = mem.layers[j.ikv];
         llama_kvp_context * st = mem.st;
-        const int64_t n_embd_k = kt->ne[0];
+        ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+        ggml_tensor * vt = llama_kvp_kv_access::layer_v(*L.kv, 0);
         const int64_t n_embd_v = vt->ne[0];
+        const bool    v_trans  = !mem.cparams.flash_attn; // as the memory made its caches
+        const int32_t n    = j.n;
+        const int32_t rank = j.rank;
+
+        bool ok = n_head_kv > 0 && j.n_q > 0 && j.scale > 0.0f;
+        for (int32_t h = 0; h < n_head_kv && ok; ++h) {
+            ok = j.ok_h[h] != 0;
+            if (ok) {
+                S.err_sum += j.err_h[2*h];
+                S.lse_sum += j.err_h[2*h + 1];
+                S.n_fit++;
+            }
+        }
+        if (!ok) {
+            S.n_fallback++;
+            return;
+        }
 
         // the bin's tokens in position order (for the centroids' positions)
         std::vector<int32_t> ord(n);
-        std::iota(ord.begin(), ord.end(), 0);
+        std::iota(ord.begin(), ord.end(), j.off);
         std::sort(ord.begin(), ord.end(), [&](int32_t a, int32_t b) { return S.pos[a] < S.pos[b]; });
 
-        std::vector<float> qbuf;
-        const int32_t n_q = st ? llama_kvp_obs_layer_queries(st, ikv, qbuf) : 0;
-        const float scale = st ? st->layers[ikv].kq_scale : 0.0f;
-
-        bool ok = n_q > 0 && scale > 0.0f && st->n_head_kv > 0 && st->n_head % st->n_head_kv == 0;
-        std::vector<float>   kc((size_t) rank*n_embd_k);
-        std::vector<float>   vc((size_t) rank*n_embd_v);
-        std::vector<int32_t> cnt(rank);
-        if (ok) {
-            const int32_t n_head_kv = st->n_head_kv;
-            const int32_t g  = st->n_head/n_head_kv;
-            const int32_t d  = (int32_t) (n_embd_k/n_head_kv);
-            const int32_t dv = (int32_t) (n_embd_v/n_head_kv);
-            const int32_t m  = n_q*g;
-            std::vector<float> qh((size_t) m*d), kh((size_t) n*d), vh((size_t) n*dv), ko((size_t) rank*d), vo((size_t) rank*dv);
-            std::vector<float> kall((size_t) n*d);
-            std::vector<int32_t> grp(n);
-            std::vector<int32_t> r0(rank + 1); // the group sizes the fit uses
-            for (int32_t r = 0; r <= rank; ++r) {
-                r0[r] = (int32_t) (((int64_t) r*n)/rank);
+        std::vector<uint8_t> raw;
+        const uint32_t size = L.kv->get_size();
+        const size_t   v_es = ggml_type_size(vt->type);
+        // the groups differ per head: the centroids take the bin's last `rank` positions (each cell its own
+        // position; every later query sees the whole bin) and share its score
+        float sc = 0.0f;
+        for (int32_t t = 0; t < n; ++t) {
+            sc += S.score[j.off + t];
+        }
+        sc /= rank;
+        for (int32_t r = 0; r < rank; ++r) {
+            const llama_pos p_last = S.pos[ord[n - rank + r]];
+            const int32_t idx = mem.cell_place(j.ikv, p_last, std::log((float) j.cnt[r]));
+            if (idx < 0) {
+                continue; // no free cell (the protected tokens fill the layer): this run is dropped
             }
-            for (int32_t h = 0; h < n_head_kv && ok; ++h) {
-                for (int32_t i = 0; i < n_q; ++i) {
-                    for (int32_t a = 0; a < g; ++a) {
-                        const float * src = qbuf.data() + (size_t) i*st->n_head*st->n_embd_head + (size_t) (h*g + a)*st->n_embd_head;
-                        std::copy_n(src, d, qh.data() + (size_t) (i*g + a)*d);
-                    }
+            llama_kvp_row_set(kt, (uint32_t) idx, raw, j.kc.data() + (size_t) r*kt->ne[0]);
+            if (!v_trans) {
+                llama_kvp_row_set(vt, (uint32_t) idx, raw, j.vc.data() + (size_t) r*n_embd_v);
+            } else {
+                raw.resize(v_es);
+                for (int64_t e = 0; e < n_embd_v; ++e) {
+                    ggml_quantize_chunk(vt->type, j.vc.data() + (size_t) r*n_embd_v + e, raw.data(), 0, 1, 1, nullptr);
+                    ggml_backend_tensor_set(vt, raw.data(), ((size_t) e*size + idx)*v_es, v_es);
                 }
-                // this head's keys of the bin, split into groups of similar keys (the fit's runs)
-                for (int32_t j = 0; j < n; ++j) {
-                    ggml_fp16_to_fp32_row(S.k.data() + (size_t) j*n_embd_k + (size_t) h*d, kall.data() + (size_t) j*d, d);
-                }
-                std::iota(grp.begin(), grp.end(), 0);
-                llama_kvp_group_keys(kall.data(), d, grp.data(), n, r0, 0, rank);
-                for (int32_t j = 0; j < n; ++j) {
-                    std::copy_n(kall.data() + (size_t) grp[j]*d, d, kh.data() + (size_t) j*d);
-                    ggml_fp16_to_fp32_row(S.v.data() + (size_t) grp[j]*n_embd_v + (size_t) h*dv, vh.data() + (size_t) j*dv, dv);
-                }
-                float err[2] = { 0.0f, 0.0f };
-                ok = llama_kvp_summarise_fit(qh.data(), m, kh.data(), vh.data(), n, d, dv, scale, rank,
-                                             ko.data(), vo.data(), cnt.data(), err) == 0;
-                if (ok) {
-                    for (int32_t r = 0; r < rank; ++r) {
-                        std::copy_n(ko.data() + (size_t) r*d,  d,  kc.data() + (size_t) r*n_embd_k + (size_t) h*d);
-                        std::copy_n(vo.data() + (size_t) r*dv, dv, vc.data() + (size_t) r*n_embd_v + (size_t) h*dv);
-                    }
-                    S.err_sum += err[0];
-                    S.lse_sum += err[1];
-                    S.n_fit++;
-                }
+            }
+            if (st) {
+                llama_kvp_obs_cell_set_score(st, j.ikv, (uint32_t) idx, p_last, sc); // its tokens' score until observed
             }
         }
-
-        if (ok) {
-            std::vector<uint8_t> raw;
-            const uint32_t size = L.kv->get_size();
-            const size_t   v_es = ggml_type_size(vt->type);
-            // the groups differ per head: the centroids take the bin's last `rank` positions (each cell its own
-            // position; every later query sees the whole bin) and share its score
-            float sc = 0.0f;
-            for (int32_t j = 0; j < n; ++j) {
-                sc += S.score[j];
-            }
-            sc /= rank;
-            for (int32_t r = 0; r < rank; ++r) {
-                const llama_pos p_last = S.pos[ord[n - rank + r]];
-                const int32_t idx = mem.cell_place(ikv, p_last, std::log((float) cnt[r]));
-                if (idx < 0) {
-                    continue; // no free cell (the protected tokens fill the layer): this run is dropped
-                }
-                llama_kvp_row_set(kt, (uint32_t) idx, raw, kc.data() + (size_t) r*n_embd_k);
-                if (!v_trans) {
-                    llama_kvp_row_set(vt, (uint32_t) idx, raw, vc.data() + (size_t) r*n_embd_v);
-                } else {
-                    raw.resize(v_es);
-                    for (int64_t e = 0; e < n_embd_v; ++e) {
-                        ggml_quantize_chunk(vt->type, vc.data() + (size_t) r*n_embd_v + e, raw.data(), 0, 1, 1, nullptr);
-                        ggml_backend_tensor_set(vt, raw.data(), ((size_t) e*size + idx)*v_es, v_es);
-                    }
-                }
-                if (st) {
-                    llama_kvp_obs_cell_set_score(st, ikv, (uint32_t) idx, p_last, sc); // its tokens' score until observed
-                }
-            }
-            for (int32_t j = 0; j < n; ++j) {
-                S.done.push_back(S.pos[j]);
-            }
-            S.n_bins++;
-            S.n_tokens += n;
-        } else {
-            S.n_fallback++;
+        for (int32_t t = 0; t < n; ++t) {
+            S.done.push_back(S.pos[j.off + t]);
         }
-
-        S.pos.erase(S.pos.begin(), S.pos.begin() + n);
-        S.score.erase(S.score.begin(), S.score.begin() + n);
-        S.k.erase(S.k.begin(), S.k.begin() + (size_t) n*n_embd_k);
-        S.v.erase(S.v.begin(), S.v.begin() + (size_t) n*n_embd_v);
+        S.n_bins++;
+        S.n_tokens += n;
     }
 };
 
