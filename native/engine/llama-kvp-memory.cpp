@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
@@ -106,11 +107,46 @@ static void llama_kvp_cell_copy(const ggml_tensor * t, bool trans, uint32_t size
     }
 }
 
+// the cells idx of a tensor in device memory, in runs: cells at most a few rows apart share one transfer (the rows
+// between cost less than another transfer), so that scattered cells (an eviction's leavers across a layer) are not
+// read with the whole span between them; each run [i0, i1) of `order` (idx sorted) gets fn(order, i0, i1, off, len),
+// with the bytes [off, off + len) of the tensor that the run covers
+template <typename F>
+static void llama_kvp_cell_runs(const ggml_tensor * t, const std::vector<uint32_t> & idx, F fn) {
+    std::vector<uint32_t> order(idx.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return idx[a] < idx[b]; });
+    const uint32_t gap = (uint32_t) std::max<size_t>(1, (64*1024)/t->nb[1]);
+    size_t i0 = 0;
+    while (i0 < order.size()) {
+        size_t i1 = i0 + 1;
+        while (i1 < order.size() && idx[order[i1]] - idx[order[i1 - 1]] <= gap) {
+            i1++;
+        }
+        size_t off = 0;
+        size_t len = 0;
+        llama_kvp_cell_span(t, false, idx[order[i0]], idx[order[i1 - 1]], off, len);
+        fn(order, i0, i1, off, len);
+        i0 = i1;
+    }
+}
+
 void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out) {
     if (idx.empty()) {
         return;
     }
     const size_t nb = llama_kvp_cell_bytes(t, trans);
+    if (!trans && !(t->buffer && ggml_backend_buffer_is_host(t->buffer))) {
+        std::vector<uint8_t> buf;
+        llama_kvp_cell_runs(t, idx, [&](const std::vector<uint32_t> & order, size_t i0, size_t i1, size_t off, size_t len) {
+            buf.resize(len);
+            ggml_backend_tensor_get(t, buf.data(), off, len);
+            for (size_t i = i0; i < i1; ++i) {
+                llama_kvp_cell_copy(t, false, size, buf.data(), off, idx[order[i]], out + order[i]*nb, false);
+            }
+        });
+        return;
+    }
     const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
     size_t off = 0;
     size_t len = 0;
@@ -133,6 +169,20 @@ void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std
     }
     const size_t nb = llama_kvp_cell_bytes(t, trans);
     const bool host = t->buffer && ggml_backend_buffer_is_host(t->buffer);
+    if (!trans && !host) { // read-modify-write of each run's span: the cells between hold their own bytes again
+        std::vector<uint8_t> buf;
+        llama_kvp_cell_runs(t, idx, [&](const std::vector<uint32_t> & order, size_t i0, size_t i1, size_t off, size_t len) {
+            buf.resize(len);
+            if (i1 - i0 > 1) {
+                ggml_backend_tensor_get(t, buf.data(), off, len);
+            }
+            for (size_t i = i0; i < i1; ++i) {
+                llama_kvp_cell_copy(t, false, size, buf.data(), off, idx[order[i]], (uint8_t *) src + order[i]*nb, true);
+            }
+            ggml_backend_tensor_set(t, buf.data(), off, len);
+        });
+        return;
+    }
     const auto [lo, hi] = std::minmax_element(idx.begin(), idx.end());
     size_t off = 0;
     size_t len = 0;
