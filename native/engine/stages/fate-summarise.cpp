@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -676,12 +677,20 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             std::vector<float> scratch;
             for (int32_t t = next++; t < (int32_t) tasks.size(); t = next++) {
                 auto & j = jobs[tasks[t].first];
-                fit_head(mem, j, tasks[t].second, scratch);
+                try {
+                    fit_head(mem, j, tasks[t].second, scratch);
+                } catch (const std::exception &) {
+                    j.ok_h[tasks[t].second] = 0; // out of memory in a fit: its bin is dropped (a fallback), not the process
+                }
             }
         };
         std::vector<std::thread> workers;
         for (int32_t t = 1; t < n_thr; ++t) {
-            workers.emplace_back(work);
+            try {
+                workers.emplace_back(work);
+            } catch (const std::system_error &) {
+                break; // no more threads: the others (this one at least) take the tasks
+            }
         }
         work();
         for (auto & w : workers) {
