@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # the whole SmolLM2-135M (30 layers) on the GPU: carried in two parts over two calls (see docs/NOTES.md, CUDA)
 set -u
-B=/tmp/pykvcache-cuda-build
-[ -x $B/kvbench ] || STEPS=0 bash scripts/gpu-session.sh > /dev/null
-cat .gpukit/full.gguf.part-* > /tmp/full.gguf
-[ "$(md5sum < /tmp/full.gguf | cut -c1-32)" = "$(cat .gpukit/full.md5)" ] || { echo "model parts incomplete"; ls -la .gpukit; exit 1; }
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
-export LD_LIBRARY_PATH=$B/bin:$(dirname $(find $CUDA_ROOT/ -name 'libcudart.so.*' | head -1)):$(python3 -c "import nvidia; print(nvidia.__path__[0])")/cu13/lib
-M=/tmp/full.gguf; T=.gpukit/text.txt
+source scripts/gpu-full-model.sh  # the kit's binaries, the joined model (B, M, T, LD_LIBRARY_PATH)
 nvidia-smi -L > $OUT/full.log
 timeout 150 $B/kvbench -m $M -ngl 99 -t 16 -p 8192 -n 64 -r 2 -o json -f $T --policy full \
   --policy sink_recent:n_sink=4,n_recent=815 --policy snapkv:budget=0.1 --policy h2o:budget=0.1 --policy pyramid:budget=0.1 \

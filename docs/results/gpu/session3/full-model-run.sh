@@ -3,14 +3,8 @@
 # The kit: .gpukit/cuda-bin.tar.xz (the earlier CUDA ggml libraries, whose sources are unchanged, with libllama and the
 # tools of this checkout), the model in three parts (carried over three calls on one warm machine), the essays text.
 set -u
-B=/tmp/pykvcache-cuda-build
-[ -x $B/kvbench ] || STEPS=0 bash scripts/gpu-session.sh > /dev/null
-cat .gpukit/full.gguf.part-* > /tmp/full.gguf
-[ "$(md5sum < /tmp/full.gguf | cut -c1-32)" = "$(cat .gpukit/full.md5)" ] || { echo "model parts incomplete"; ls -la .gpukit; exit 1; }
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
-export LD_LIBRARY_PATH=$B/bin:$(dirname $(find $CUDA_ROOT/ -name 'libcudart.so.*' | head -1)):$(python3 -c "import nvidia; print(nvidia.__path__[0])")/cu13/lib
-M=/tmp/full.gguf; T=.gpukit/text.txt; L=$OUT/full.log
+source scripts/gpu-full-model.sh  # the kit's binaries, the joined model (B, M, T, LD_LIBRARY_PATH)
+L=$OUT/full.log
 T0=$(date +%s); say() { echo "[+$(( $(date +%s) - T0 ))s] $*" | tee -a $L; }
 nvidia-smi -L | tee $L
 # 1. the scheduler's splits of a decode step on the real device: inputs per split (the full cache has 6)
