@@ -1,11 +1,18 @@
 """Summarise against plain eviction by the same policy, in one run: streamed next-token KL and top-1 against the full
 cache at equal KV bytes (REAL: the same budget, centroids inside it) and at equal real tokens (FAIR: eviction with
-the budget minus summarise's centroid cells), needles, time per summarised bin and per generated token.
+the budget minus summarise's centroid cells), the attention output per layer against the full cache's for held-out
+queries, needles, time per summarised bin and per generated token.
 
     python bench/summarise.py --policies snapkv,entropy --budgets 0.25,0.1 -o summarise.json
 
 Text: essays 0-19 of the needle-haystack corpus (KL) and the rest (needles), as `pykvcache eval`; `-f FILE` takes
 the user's text instead.
+
+Held-out queries (REAL and FAIR alike): the full cache's post-RoPE queries of the first --attn-queries streamed tokens,
+which no fit saw (a fit uses queries of tokens before it). Each layer's attention output for them over the prompt's
+part of the cache (centroid cells with their mask bias) is compared with the full cache's over the whole prompt
+(relative squared error and cosine, averaged over queries and heads), after the first streamed chunk, when the
+prompt's last bins are fitted.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import shlex
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,11 +33,44 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from sparse_prefill import cpu_name  # noqa: E402
 
 
-def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_gen: int) -> Dict[str, Any]:
-    """Streamed KL/top-1 against the full cache, KV bytes, summarise telemetry and decode time of one policy."""
+def held_out_outputs(cfg: EvalConfig, tokens: List[int], n_prompt: int, n_q: int) -> List[Tuple[np.ndarray, float, np.ndarray]]:
+    """Per KV layer: the full cache's queries of the n_q tokens after the prompt, the attention scale and their
+    attention output over the prompt."""
+    r = Runner(f"observe:window={n_q}", cfg)
+    r.prefill(tokens[:n_prompt + n_q])
+    res = []
+    for il in range(len(r.llm.kv_stats().layers)):
+        _, q, scale = r.llm.kv_queries(il)
+        res.append((q, scale, r.llm.kv_layer(il).attend(q, scale, below=n_prompt)))
+    r.close()
+    return res
+
+
+def attention_fidelity(llm: Any, held: List[Tuple[np.ndarray, float, np.ndarray]], n_prompt: int) -> Dict[str, List[float]]:
+    """Per KV layer: relative squared error and cosine of the policy cache's attention output over the prompt against
+    the full cache's, for the held-out queries."""
+    mse, cos = [], []
+    for il, (q, scale, o_full) in enumerate(held):
+        o = llm.kv_layer(il).attend(q, scale, below=n_prompt)
+        mse.append(float(((o - o_full) ** 2).sum(-1).mean() / (o_full ** 2).sum(-1).mean()))
+        norm = np.linalg.norm(o, axis=-1) * np.linalg.norm(o_full, axis=-1)
+        cos.append(float(((o * o_full).sum(-1) / np.maximum(norm, 1e-30)).mean()))
+    return {"attn_mse": mse, "attn_cos": cos}
+
+
+def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_gen: int,
+        held: List[Tuple[np.ndarray, float, np.ndarray]]) -> Dict[str, Any]:
+    """Streamed KL/top-1 against the full cache, attention fidelity per layer, KV bytes, summarise telemetry and
+    decode time of one policy."""
     r = Runner(spec, cfg)
     row: Dict[str, Any] = {"spec": r.llm.kv_policy.spec()}
-    got = stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)
+    n_prompt = len(tokens) - cfg.stream
+
+    def first_chunk(i: int) -> None:
+        if i == 0:
+            row.update(attention_fidelity(r.llm, held, n_prompt))
+
+    got = stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk, first_chunk)
     row.update(compare_logprobs(ref, got))
     mem = r.llm.kv_memory()
     row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
@@ -60,6 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--needle-lengths", default="2048", help="needle prompt lengths (tokens), comma-separated")
     ap.add_argument("--needle-budget", type=float, default=0.1, help="the budget at which needles run")
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens timed after the streamed text")
+    ap.add_argument("--attn-queries", type=int, default=32,
+                    help="held-out queries (the first streamed tokens) for the attention output per layer")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-f", "--file", default=None, help="the user's text instead of the essays")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON")
@@ -67,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if a.n_gen < 1:
         ap.error("--n-gen must be >= 1")
+    if not 1 <= a.attn_queries <= a.stream:
+        ap.error("--attn-queries must be in [1, --stream]")
     # the context holds the streamed text and the greedy tokens timed after it
     cfg = EvalConfig(kl_tokens=a.kl_tokens, stream=a.stream, needle_lengths=[int(x) for x in a.needle_lengths.split(",")],
                      threads=a.threads, text_file=a.file, n_agree=max(EvalConfig.n_agree, a.n_gen))
@@ -80,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     full_ms = 1e3 * (time.perf_counter() - t0) / a.n_gen
     full_hits = needle_hits(full, cases)
     full.close()
+    held = held_out_outputs(cfg, tokens, len(tokens) - cfg.stream, a.attn_queries)
     rows: List[Dict[str, Any]] = [{"spec": "full", "kl_mean": 0.0, "top1": 1.0, "ms_per_token": full_ms,
                                    "needle_hits": full_hits}]
     print(f"full: {full_ms:.1f} ms/token, needles {sum(full_hits)}/{len(full_hits)}", file=sys.stderr, flush=True)
@@ -93,10 +138,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             def at(budget_frac: float, extra: str = "", minus: float = 0.0) -> Any:
                 return lambda n: (policy_spec(name, int(round(budget_frac * n - minus))) or "") + extra
 
-            drop = run(cfg, policy_spec(name, b), tokens, ref, a.n_gen)
-            summ = run(cfg, policy_spec(name, b) + "+" + a.summarise, tokens, ref, a.n_gen)
+            drop = run(cfg, policy_spec(name, b), tokens, ref, a.n_gen, held)
+            summ = run(cfg, policy_spec(name, b) + "+" + a.summarise, tokens, ref, a.n_gen, held)
             c = summ["centroids_per_layer"]
-            fair = run(cfg, policy_spec(name, max(int(round(b - c)), 1)), tokens, ref, a.n_gen)
+            fair = run(cfg, policy_spec(name, max(int(round(b - c)), 1)), tokens, ref, a.n_gen, held)
             if needles:
                 for row, spec_of in ((drop, at(frac)), (summ, at(frac, "+" + a.summarise)),
                                      (fair, at(frac, "", c * cfg.needle_lengths[0] / n_prefix))):
@@ -110,13 +155,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row.update(policy=name, budget_frac=frac, budget=b, kind=kind)
                 rows.append(row)
                 nh = row.get("needle_hits")
-                print(f"{row['spec']} [{kind}]: KL {row['kl_mean']:.4f} top-1 {row['top1']:.3f} "
+                print(f"{row['spec']} [{kind}]: KL {row['kl_mean']:.4f} top-1 {row['top1']:.3f} attention output "
+                      f"rel. error {np.mean(row['attn_mse']):.3f} cosine {np.mean(row['attn_cos']):.3f}, "
                       f"{row['ms_per_token']:.1f} ms/token" + (f", needles {sum(nh)}/{len(nh)}" if nh else ""),
                       file=sys.stderr, flush=True)
 
     res = {"command": "python bench/summarise.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": a.threads, "kl_tokens": cfg.kl_tokens,
-           "stream": cfg.stream, "needle_lengths": cfg.needle_lengths, "rows": rows}
+           "stream": cfg.stream, "attn_queries": a.attn_queries, "needle_lengths": cfg.needle_lengths, "rows": rows}
     print(markdown(res))
     if a.output:
         with open(a.output, "w") as f:
@@ -127,13 +173,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 def markdown(res: Dict[str, Any]) -> str:
     """The results as a markdown table."""
     lines = [f"{res['date']}, {res['cpu']}, {res['threads']} threads: `{res['command']}`", "",
-             "| policy | budget | fate | KL mean | x drop | top-1 | centroids/layer | fit err | ms/bin | ms/token | x drop | needles |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| policy | budget | fate | KL mean | x drop | top-1 | attn err | attn cos | centroids/layer | fit err | ms/bin | "
+             "ms/token | x drop | needles |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     drop: Dict[Any, Dict[str, Any]] = {}
     for r in res["rows"]:
         if r["spec"] == "full":
             nh = r["needle_hits"]
-            lines.append(f"| full | - | - | 0 | - | 1.000 | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
+            lines.append(f"| full | - | - | 0 | - | 1.000 | 0 | 1 | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
             continue
         key = (r["policy"], r["budget_frac"])
         if r["kind"] == "drop":
@@ -141,15 +188,33 @@ def markdown(res: Dict[str, Any]) -> str:
         d = drop[key]
         nh = r.get("needle_hits")
         summ = r["kind"] == "summarise"
+        attn = (f"{np.mean(r['attn_mse']):.3f} | {np.mean(r['attn_cos']):.3f} | " if "attn_mse" in r else "- | - | ")
         lines.append(
             f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
-            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | "
+            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}"
             f"{r['centroids_per_layer']:.1f} | {r['fit_err']:.2f} | {r['ms_per_bin']:.2f} | " if summ else
             f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
-            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | - | - | - | ")
+            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}- | - | - | ")
         lines[-1] += (f"{r['ms_per_token']:.1f} | {r['ms_per_token'] / d['ms_per_token']:.2f} | "
                       + (f"{sum(nh)}/{len(nh)} |" if nh else "- |"))
-    return "\n".join(lines)
+    return "\n".join(lines + layers_markdown(res))
+
+
+def layers_markdown(res: Dict[str, Any]) -> List[str]:
+    """The attention output's relative error per layer (means over groups of layers), drop against summarise."""
+    cols = [r for r in res["rows"] if r.get("kind") in ("drop", "summarise") and "attn_mse" in r]
+    if not cols:
+        return []
+    n = len(cols[0]["attn_mse"])
+    step = 5 if n > 10 else 1
+    lines = ["", f"Attention output per layer: relative error against the full cache for {res.get('attn_queries')} "
+             "held-out queries (mean over the layers of each row).", "",
+             "| layers | " + " | ".join(f"{r['policy']} {r['budget_frac']:g} {r['kind']}" for r in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for l0 in range(0, n, step):
+        l1 = min(l0 + step, n)
+        lines.append(f"| {l0}-{l1 - 1} | " + " | ".join(f"{np.mean(r['attn_mse'][l0:l1]):.3f}" for r in cols) + " |")
+    return lines
 
 
 if __name__ == "__main__":

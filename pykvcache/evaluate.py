@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -250,12 +250,18 @@ class Runner:
         self.llm.close()
 
 
-def stream_logprobs(r: Runner, tokens: List[int], n_stream: int, chunk: int) -> List[np.ndarray]:
-    """Prefill all but the last n_stream tokens, then stream those in chunks; log-probs of every streamed token."""
+def stream_logprobs(r: Runner, tokens: List[int], n_stream: int, chunk: int,
+                    on_chunk: Optional[Callable[[int], None]] = None) -> List[np.ndarray]:
+    """Prefill all but the last n_stream tokens, then stream those in chunks; log-probs of every streamed token
+    (on_chunk(i) is called after the i-th chunk)."""
     r.reset()
     r.prefill(tokens[: len(tokens) - n_stream])
-    return [log_softmax(r.logits_chunk(tokens[i:i + chunk])).astype(np.float32)
-            for i in range(len(tokens) - n_stream, len(tokens), chunk)]
+    res = []
+    for i, t in enumerate(range(len(tokens) - n_stream, len(tokens), chunk)):
+        res.append(log_softmax(r.logits_chunk(tokens[t:t + chunk])).astype(np.float32))
+        if on_chunk is not None:
+            on_chunk(i)
+    return res
 
 
 def compare_logprobs(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, float]:

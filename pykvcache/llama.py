@@ -13,8 +13,8 @@ from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .batch import context_params_with, generate_batch
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
-from .telemetry import (HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry,
-                        SummaryTelemetry)
+from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats,
+                        SparseTelemetry, SummaryTelemetry)
 
 llama_cpp = import_llama_cpp()
 
@@ -376,6 +376,47 @@ class Llama(llama_cpp.Llama):
         lib.llama_kvp_layer_cell_kv(ctx, layer, pos, k, v)
         nk = int(self.kv_stats().layers[layer].k_bytes) // int(self.kv_stats().layers[layer].n_cells)
         return bytes(ffi.buffer(k, nk)), bytes(ffi.buffer(v, int(n) - nk))
+
+    def kv_layer(self, layer: int) -> KVLayer:
+        """K, V (float32), position and mask bias of every cell of KV layer `layer` (the full cache's too)."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        ne = ffi.new("int32_t[2]")
+        n = lib.llama_kvp_layer_kv(ctx, layer, ffi.NULL, ffi.NULL, 0, ne, ne + 1)
+        if n < 0:
+            raise PolicyError(last_error())
+        n_kv = int(llama_cpp.llama_model_n_head_kv(self._model.model))
+        k = np.zeros((n, int(ne[0])), dtype=np.float32)
+        v = np.zeros((n, int(ne[1])), dtype=np.float32)
+        pos = np.zeros(n, dtype=np.int32)
+        bias = np.zeros(n, dtype=np.float32)
+        if (lib.llama_kvp_layer_kv(ctx, layer, ffi.cast("float *", ffi.from_buffer(k)),
+                                   ffi.cast("float *", ffi.from_buffer(v)), n, ffi.NULL, ffi.NULL) != n
+                or lib.llama_kvp_layer_cell_pos(ctx, layer, ffi.cast("int32_t *", ffi.from_buffer(pos)), n) != n):
+            raise RuntimeError(last_error())
+        if self._kv_policy is not None and self._kv_policy.retains:
+            if lib.llama_kvp_layer_cell_bias(ctx, layer, ffi.cast("float *", ffi.from_buffer(bias)), n) != n:
+                raise RuntimeError(last_error())
+        return KVLayer(pos=pos, bias=bias, k=k.reshape(n, n_kv, -1), v=v.reshape(n, n_kv, -1))
+
+    def kv_queries(self, layer: int) -> Tuple[np.ndarray, np.ndarray, float]:
+        """The post-RoPE queries the observation window holds for KV layer `layer`: positions [n], queries
+        [n, n_head, d] (float32) and the layer's attention scale."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        row = ffi.new("int32_t *")
+        scale = ffi.new("float *")
+        n = lib.llama_kvp_obs_queries(ctx, layer, ffi.NULL, ffi.NULL, 0, row, scale)
+        if n < 0:
+            raise PolicyError(last_error())
+        n_head = int(llama_cpp.llama_model_n_head(self._model.model))
+        q = np.zeros((n, int(row[0])), dtype=np.float32)
+        pos = np.zeros(n, dtype=np.int32)
+        if lib.llama_kvp_obs_queries(ctx, layer, ffi.cast("float *", ffi.from_buffer(q)),
+                                     ffi.cast("int32_t *", ffi.from_buffer(pos)), n, ffi.NULL, ffi.NULL) != n:
+            raise RuntimeError(last_error())
+        order = np.argsort(pos, kind="stable")
+        return pos[order], q[order].reshape(n, n_head, -1), float(scale[0])
 
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and

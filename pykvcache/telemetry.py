@@ -213,6 +213,42 @@ class SummaryTelemetry:
 
 
 @dataclass(frozen=True)
+class KVLayer:
+    """The cells of one KV layer as they are now: pos[n_cells] (-1: empty), bias[n_cells] (the attention mask's bias:
+    log of the tokens a centroid cell stands for, 0 for a token's own cell), k[n_cells, n_head_kv, d] and
+    v[n_cells, n_head_kv, dv] (float32)."""
+
+    pos: np.ndarray
+    bias: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    def held(self, below: Optional[int] = None) -> np.ndarray:
+        """Which cells hold a token (at a position < below)."""
+        return (self.pos >= 0) & (self.pos < below) if below is not None else self.pos >= 0
+
+    def probs(self, q: np.ndarray, scale: float, below: Optional[int] = None,
+              q_pos: Optional[np.ndarray] = None) -> np.ndarray:
+        """Attention probabilities [n_q, n_head, n_held] of queries q[n_q, n_head, d] over the held cells (self.held),
+        each query seeing positions up to its own (q_pos, when given)."""
+        held = self.held(below)
+        g = q.shape[1] // self.k.shape[1]  # query heads per KV head (GQA: query head h reads KV head h // g)
+        k = np.repeat(self.k[held].astype(np.float64), g, axis=1)
+        logits = np.einsum("qhd,nhd->qhn", q.astype(np.float64), k) * scale + self.bias[held].astype(np.float64)
+        if q_pos is not None:
+            logits = np.where(self.pos[held][None, None, :] <= np.asarray(q_pos)[:, None, None], logits, -np.inf)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        return p / p.sum(axis=-1, keepdims=True)
+
+    def attend(self, q: np.ndarray, scale: float, below: Optional[int] = None,
+               q_pos: Optional[np.ndarray] = None) -> np.ndarray:
+        """Attention output [n_q, n_head, dv] of queries q[n_q, n_head, d] over the held cells (as probs)."""
+        g = q.shape[1] // self.v.shape[1]
+        v = np.repeat(self.v[self.held(below)].astype(np.float64), g, axis=1)
+        return np.einsum("qhn,nhd->qhd", self.probs(q, scale, below, q_pos), v)
+
+
+@dataclass(frozen=True)
 class HostTelemetry:
     """The host tier (fate stage `host`, schedule stage `freeze`): tokens moved out of the layer caches into host
     memory and back.

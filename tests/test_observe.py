@@ -173,3 +173,52 @@ def test_telemetry_json_and_plot(model_path, tmp_path):
     png = tel.plot(tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_exported_queries_keys_and_values_are_the_models(model_path, prose_reference, flash_attn):
+    """kv_queries and kv_layer give the window's post-RoPE queries and the cache's K and V (V transposed in the cache
+    without flash attention): their softmax is the in-graph observation's (same f16 keys, same scale) and the
+    reference forward pass's, and the value norms are the reference's."""
+    tokens, refs = prose_reference
+    llm = Llama(model_path, n_ctx=512, flash_attn=flash_attn, verbose=False, kv_policy=Observe(window=16))
+    llm.eval(tokens)
+    tel = llm.kv_telemetry(per_head=True)
+    for il in range(30):
+        q_pos, q, scale = llm.kv_queries(il)
+        np.testing.assert_array_equal(q_pos, np.arange(len(tokens) - 16, len(tokens)))
+        assert q.shape == (16, 9, 64) and scale == pytest.approx(1 / 8)
+        layer = llm.kv_layer(il)
+        held = layer.held()
+        assert held.sum() == len(tokens) and layer.k.shape[1:] == (3, 64) and not layer.bias.any()
+        order = np.argsort(layer.pos[held])
+        probs = layer.probs(q, scale, q_pos=q_pos)[:, :, order]  # [query, head, position]
+        np.testing.assert_allclose(probs.mean(axis=0), tel.mass_per_head[il], atol=1e-3)
+        l1 = np.abs(probs.transpose(1, 0, 2) - refs[16].probs[il]).sum(axis=-1)
+        assert l1.mean() < MASS_L1_MEAN and l1.max() < 2 * MASS_L1_MAX, (il, l1.mean(), l1.max())
+        norms = np.linalg.norm(layer.v[held][order], axis=-1).mean(axis=-1)
+        np.testing.assert_allclose(norms, refs[16].value_norms[il], rtol=0.05)
+
+
+def test_attention_output_over_the_cache_is_a_weighted_sum_of_its_values():
+    """KVLayer.attend on random matrices equals the plain loop over heads (GQA: query head h reads KV head h // g),
+    with a centroid cell's log-count bias counting as that many copies of its key and value."""
+    from pykvcache.telemetry import KVLayer
+
+    rng = np.random.default_rng(3)
+    n, d = 7, 4
+    k, v = rng.normal(size=(n, 2, d)), rng.normal(size=(n, 2, d))
+    pos = np.array([0, 1, 2, -1, 4, 5, 6], dtype=np.int32)
+    layer = KVLayer(pos=pos, bias=np.zeros(n), k=k, v=v)
+    q = rng.normal(size=(3, 6, d))
+    out = layer.attend(q, 0.5, below=6)
+    for i in range(3):
+        for h in range(6):
+            cells = [0, 1, 2, 4, 5]  # held: a token, at a position below 6
+            s = np.array([0.5 * q[i, h] @ k[c, h // 3] for c in cells])
+            p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            np.testing.assert_allclose(out[i, h], sum(p[j] * v[c, h // 3] for j, c in enumerate(cells)), atol=1e-12)
+    # one cell with bias log 3 attends like three copies of it
+    copies = KVLayer(pos=np.array([0, 1, 1, 1]), bias=np.zeros(4), k=k[[0, 1, 1, 1]], v=v[[0, 1, 1, 1]])
+    cell = KVLayer(pos=np.array([0, 1]), bias=np.array([0.0, np.log(3.0)]), k=k[[0, 1]], v=v[[0, 1]])
+    np.testing.assert_allclose(cell.attend(q, 0.5), copies.attend(q, 0.5), atol=1e-12)

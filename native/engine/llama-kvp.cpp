@@ -8,6 +8,8 @@
 #include "llama-kv-cache-iswa.h"
 #include "llama-kvp-memory.h"
 
+#include <algorithm>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -410,26 +412,115 @@ int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer
     return n;
 }
 
+// the cache that holds KV layer ikv of the context (the per-layer memory's, or llama.cpp's own) and the layer's index
+// in it; nullptr (with the error set) if there is no single-stream one
+static llama_kv_cache * llama_kvp_layer_cache(llama_context * ctx, int32_t ikv, int32_t & local) {
+    int32_t base = 0;
+    for (auto * c : llama_kvp_caches(ctx)) {
+        const int32_t nl = llama_kvp_kv_access::n_layers(*c);
+        if (ikv >= base && ikv < base + nl) {
+            if (llama_kvp_kv_access::n_stream(*c) != 1) {
+                break;
+            }
+            local = ikv - base;
+            return c;
+        }
+        base += nl;
+    }
+    llama_kvp_set_error("no single-stream KV layer " + std::to_string(ikv) + " in this context");
+    return nullptr;
+}
+
 int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
     if (!llama_kvp_check_ctx(ctx)) {
         return -1;
     }
-    const auto caches = llama_kvp_caches(ctx);
-    llama_kv_cache * kv = nullptr;
-    int32_t base = 0;
-    for (auto * c : caches) {
-        const int32_t nl = llama_kvp_kv_access::n_layers(*c);
-        if (ikv >= base && ikv < base + nl) {
-            kv = c;
-            break;
-        }
-        base += nl;
-    }
-    if (!kv || llama_kvp_kv_access::n_stream(*kv) != 1) {
-        llama_kvp_set_error("no single-stream KV layer " + std::to_string(ikv) + " in this context");
+    int32_t local = 0;
+    llama_kv_cache * kv = llama_kvp_layer_cache(ctx, ikv, local);
+    return kv ? llama_kvp_fill_cell_pos(*kv, out, n_max) : -1;
+}
+
+int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
+                           int32_t * n_embd_k, int32_t * n_embd_v) {
+    if (!llama_kvp_check_ctx(ctx)) {
         return -1;
     }
-    return llama_kvp_fill_cell_pos(*kv, out, n_max);
+    int32_t local = 0;
+    llama_kv_cache * kv = llama_kvp_layer_cache(ctx, ikv, local);
+    if (!kv) {
+        return -1;
+    }
+    ggml_tensor * kt = llama_kvp_kv_access::layer_k(*kv, local);
+    ggml_tensor * vt = llama_kvp_kv_access::layer_v(*kv, local);
+    const int32_t size = (int32_t) kv->get_size();
+    if (n_embd_k) {
+        *n_embd_k = (int32_t) kt->ne[0];
+    }
+    if (n_embd_v) {
+        *n_embd_v = (int32_t) vt->ne[0];
+    }
+    if (!k_out && !v_out) {
+        return size;
+    }
+    if (n_max < size) {
+        llama_kvp_set_error("K/V buffers too small: need " + std::to_string(size) + " rows");
+        return -1;
+    }
+    llama_synchronize(ctx);
+    std::vector<uint32_t> idx(size);
+    std::iota(idx.begin(), idx.end(), 0u);
+    const bool v_trans = !ctx->get_cparams().flash_attn; // as llama.cpp and the per-layer memory make their caches
+    std::vector<uint8_t> raw;
+    if (k_out) {
+        const size_t nb = ggml_row_size(kt->type, kt->ne[0]);
+        raw.resize((size_t) size*nb);
+        llama_kvp_cells_read(kt, false, (uint32_t) size, idx, raw.data());
+        for (int32_t i = 0; i < size; ++i) {
+            ggml_get_type_traits(kt->type)->to_float(raw.data() + (size_t) i*nb, k_out + (size_t) i*kt->ne[0], kt->ne[0]);
+        }
+    }
+    if (v_out) {
+        const size_t nb = v_trans ? (size_t) vt->ne[0]*ggml_type_size(vt->type) : ggml_row_size(vt->type, vt->ne[0]);
+        raw.resize((size_t) size*nb);
+        llama_kvp_cells_read(vt, v_trans, (uint32_t) size, idx, raw.data());
+        for (int32_t i = 0; i < size; ++i) {
+            ggml_get_type_traits(vt->type)->to_float(raw.data() + (size_t) i*nb, v_out + (size_t) i*vt->ne[0], vt->ne[0]);
+        }
+    }
+    return size;
+}
+
+int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
+                              int32_t * n_embd_q, float * scale) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    if (ikv < 0 || ikv >= (int32_t) st->layers.size()) {
+        llama_kvp_set_error("no observed KV layer " + std::to_string(ikv) + " (" + std::to_string(st->layers.size()) + " layers)");
+        return -1;
+    }
+    std::vector<float>     q;
+    std::vector<llama_pos> qpos;
+    const int32_t n = llama_kvp_obs_layer_queries(st, ikv, q, &qpos);
+    const int32_t row = st->n_head*st->n_embd_head;
+    if (n_embd_q) {
+        *n_embd_q = row;
+    }
+    if (scale) {
+        *scale = st->layers[ikv].kq_scale;
+    }
+    if ((q_out || pos_out) && n_max < n) {
+        llama_kvp_set_error("query buffers too small: need " + std::to_string(n) + " rows");
+        return -1;
+    }
+    if (q_out) {
+        std::copy(q.begin(), q.end(), q_out);
+    }
+    for (int32_t i = 0; pos_out && i < n; ++i) {
+        pos_out[i] = qpos[i];
+    }
+    return n;
 }
 
 //

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 15
+#define LLAMA_KVP_API_VERSION 16
 
 #ifdef __cplusplus
 extern "C" {
@@ -405,6 +405,20 @@ int32_t llama_kvp_latent_rerank(struct llama_context * ctx);
 // must hold the count a call with NULL outputs returns); returns the K bytes + V bytes, 0 if no cell holds pos, -1
 // on error
 int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out);
+
+// K and V of every cell of KV layer ikv (the per-layer memory's or llama.cpp's own cache), as f32 rows: k_out
+// [n_max][n_embd_k], v_out [n_max][n_embd_v] (either may be NULL), cells in the order of llama_kvp_layer_cell_pos;
+// writes the row sizes (n_embd_k_gqa, n_embd_v_gqa) where the pointers are not NULL; returns the number of cells, -1 on
+// error (more cells than n_max with an output given)
+int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
+                           int32_t * n_embd_k, int32_t * n_embd_v);
+
+// the post-RoPE queries the observation window of KV layer ikv holds (every query head): q_out [n_max][n_head*n_embd_head]
+// (head-major within a row; may be NULL) and their positions in pos_out (may be NULL); writes the row size and the
+// layer's attention scale where the pointers are not NULL; returns the number of queries, -1 on error (the policy does
+// not observe, or more queries than n_max with an output given)
+int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
+                              int32_t * n_embd_q, float * scale);
 
 // cffi-end
 
