@@ -202,8 +202,8 @@ layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost
 {later}"""
 
 
-def corpus_section(path: Path) -> str:
-    """The second corpus's fidelity section from `pykvcache eval --corpus ... -o` JSON ('' when there is none)."""
+def corpus_section(path: Path, title: str) -> str:
+    """A fidelity section with varied needles from `pykvcache eval --needles varied -o` JSON ('' when there is none)."""
     if not path.is_file():
         return ""
     from pykvcache.evaluate import markdown
@@ -212,7 +212,7 @@ def corpus_section(path: Path) -> str:
     cfg = res["config"]
     note = note_of(res)
     return f"""
-## Fidelity on a second corpus (technical documentation, varied needles)
+## {title}
 
 ```
 {res.get('command', 'pykvcache eval')}
@@ -301,7 +301,11 @@ def main(argv: List[str] | None = None) -> int:
              "h2o:budget=608", "--plot", str(res_dir / "freeze_active.png"), "-t", str(args.threads),
              "-o", str(freeze_json)])
     extra_md = (summarise_section(summarise_json) + freeze_section(freeze_json) +
-                corpus_section(res_dir / "eval_numpy-docs.json") + gpu_section(res_dir / "gpu"))
+                corpus_section(res_dir / "eval_essays-varied.json",
+                               "Fidelity on the essays with varied needles (the protocol of the second corpus)") +
+                corpus_section(res_dir / "eval_numpy-docs.json",
+                               "Fidelity on a second corpus (technical documentation, varied needles)") +
+                gpu_section(res_dir / "gpu"))
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]
     minutes = (time.time() - t0) / 60
