@@ -222,3 +222,20 @@ def test_attention_output_over_the_cache_is_a_weighted_sum_of_its_values():
     copies = KVLayer(pos=np.array([0, 1, 1, 1]), bias=np.zeros(4), k=k[[0, 1, 1, 1]], v=v[[0, 1, 1, 1]])
     cell = KVLayer(pos=np.array([0, 1]), bias=np.array([0.0, np.log(3.0)]), k=k[[0, 1]], v=v[[0, 1]])
     np.testing.assert_allclose(cell.attend(q, 0.5), copies.attend(q, 0.5), atol=1e-12)
+
+
+def test_exports_refuse_a_layer_or_a_context_they_do_not_have(model_path):
+    """Bad input to kv_layer / kv_queries is a clear error, not a crash."""
+    from pykvcache import PolicyError
+
+    full = Llama(model_path, n_ctx=128, verbose=False)
+    full.eval(full.tokenize(b"A short prompt."))
+    assert full.kv_layer(0).held().sum() == len(full.tokenize(b"A short prompt."))
+    with pytest.raises(PolicyError, match="no single-stream KV layer 30"):
+        full.kv_layer(30)
+    with pytest.raises(PolicyError, match="no observing policy"):
+        full.kv_queries(0)
+    obs = Llama(model_path, n_ctx=128, verbose=False, kv_policy=Observe(window=4))
+    obs.eval(obs.tokenize(b"A short prompt."))
+    with pytest.raises(PolicyError, match="no observed KV layer -1"):
+        obs.kv_queries(-1)
