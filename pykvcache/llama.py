@@ -418,6 +418,24 @@ class Llama(llama_cpp.Llama):
         order = np.argsort(pos, kind="stable")
         return pos[order], q[order].reshape(n, n_head, -1), float(scale[0])
 
+    def kv_query_entropy(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Per token held by KV layer `layer`: positions [n] (ascending) and the entropy of its head-mean attention
+        over the observation window's queries that saw it, in [0, 1] (-1: fewer than two did), which orders the
+        tokens leaving for summarise's bins (`lam`)."""
+        ffi, lib = native()
+        ctx = self._native_ctx()
+        n = lib.llama_kvp_obs_query_entropy(ctx, layer, ffi.NULL, ffi.NULL, 0)
+        if n < 0:
+            raise PolicyError(last_error())
+        ent = np.zeros(n, dtype=np.float32)
+        pos = np.zeros(n, dtype=np.int32)
+        if lib.llama_kvp_obs_query_entropy(ctx, layer, ffi.cast("float *", ffi.from_buffer(ent)),
+                                           ffi.cast("int32_t *", ffi.from_buffer(pos)), n) != n:
+            raise RuntimeError(last_error())
+        held = pos >= 0
+        order = np.argsort(pos[held], kind="stable")
+        return pos[held][order], ent[held][order]
+
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
         of the sparse prefill (Rigid/Dynamic heads, budgets, density)."""

@@ -239,3 +239,5 @@ def test_exports_refuse_a_layer_or_a_context_they_do_not_have(model_path):
     obs.eval(obs.tokenize(b"A short prompt."))
     with pytest.raises(PolicyError, match="no observed KV layer -1"):
         obs.kv_queries(-1)
+    with pytest.raises(PolicyError, match="retention policy observing a window of 2 or more"):
+        obs.kv_query_entropy(0)

@@ -106,11 +106,62 @@ def test_fit_refuses_bad_shapes():
     ("none+summarise", "retention policy"),
     ("sink_recent+summarise", "observes"),
     ("snapkv+summarise:bins=3", "bins"),
+    ("snapkv+summarise:lam=-0.5", "lam"),
+    ("h2o+summarise:lam=1", "window"),
 ])
 def test_bad_summarise_specs_fail_with_one_line(spec, key):
     with pytest.raises(PolicyError) as e:
         parse_policy(spec)
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lam_defaults_to_the_policys_order_with_a_window_of_one_query():
+    """H2O's window is one query (no entropy over queries): its summarise keeps the default lam=-1 (its own order),
+    while an explicit lam > 0 is refused (test_bad_summarise_specs_fail_with_one_line)."""
+    assert parse_policy("h2o:budget=64+summarise").spec().endswith("+summarise:bin=768,rank=12,lam=-1")
+    assert parse_policy("snapkv:budget=64+summarise").spec().endswith("+summarise:bin=768,rank=12,lam=-1")
+
+
+def test_query_entropy_is_the_entropy_of_the_windows_attention(model_path):
+    """kv_query_entropy (the order of summarise's `lam`) equals numpy's: per token, the entropy of the head-mean
+    attention probabilities the window's queries at or after it give it (from the exported queries and keys),
+    divided by the log of their number."""
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=SnapKV(budget=400, window=16))
+    toks = llm.tokenize(" ".join(essays()[:2]).encode())[:300]
+    llm.eval(toks)
+    for il in range(30):
+        pos, ent = llm.kv_query_entropy(il)
+        np.testing.assert_array_equal(pos, np.arange(300))
+        q_pos, q, scale = llm.kv_queries(il)
+        layer = llm.kv_layer(il)
+        held = layer.held()
+        order = np.argsort(layer.pos[held])
+        p = layer.probs(q, scale, q_pos=q_pos).mean(axis=1)[:, order]  # [query, position]
+        ref = np.full(300, -1.0)
+        for j in range(300):
+            seen = q_pos >= j
+            if seen.sum() >= 2:
+                x = p[seen, j] / p[seen, j].sum()
+                ref[j] = -(x * np.log(np.maximum(x, 1e-300))).sum() / np.log(seen.sum())
+        np.testing.assert_array_equal(ent < 0, ref < 0)
+        assert (ent[ent >= 0] <= 1).all()
+        np.testing.assert_allclose(ent, ref, atol=5e-3)
+    llm.close()
+
+
+def test_lam_sends_tokens_attended_evenly_to_the_bins(model_path, text):
+    """With a larger `lam` the tokens a layer keeps are attended less evenly by the window's queries (the seed's
+    score - lambda*entropy order); lam=0 keeps by score alone."""
+    mean = {}
+    for lam in (0, 8):
+        llm = Llama(model_path, n_ctx=N_PREFIX + 64, n_batch=512, n_ubatch=512, verbose=False,
+                    kv_policy=f"snapkv:budget={BUDGET}+summarise:lam={lam}")
+        llm.eval(text[:N_PREFIX])
+        assert llm.kv_summary().n_bins > 0
+        mean[lam] = np.array([llm.kv_query_entropy(il)[1][llm.kv_query_entropy(il)[1] >= 0].mean() for il in range(30)])
+        llm.close()
+    assert mean[8].mean() < mean[0].mean() - 0.01, (mean[8].mean(), mean[0].mean())
+    assert (mean[8] < mean[0]).sum() >= 20
 
 
 def test_rank_above_the_head_size_fails_at_construction(model_path):
@@ -120,7 +171,7 @@ def test_rank_above_the_head_size_fails_at_construction(model_path):
 
 def test_python_composition_matches_the_spec():
     pol = SnapKV(budget=0.1) + SummariseFate(bin=16, rank=2)
-    assert pol.spec().endswith("+summarise:bin=16,rank=2")
+    assert pol.spec().endswith("+summarise:bin=16,rank=2,lam=-1")
     assert pol.describe()["stages"]["fate"] == "summarise"
     assert parse_policy(pol.spec()).spec() == pol.spec()
 

@@ -92,6 +92,9 @@ struct llama_kvp_obs_layer {
     std::vector<int32_t>   row_step;     // step that wrote each row (-1: none)
     std::vector<int32_t>   cell_step;    // step from which each cell holds its token
     std::vector<llama_pos> cell_pos_row; // position held by each cell when cell_step was set (-2: unknown)
+    std::vector<float>     q_ent;        // llama_kvp_obs_layer_query_entropy at observation q_ent_obs (-1: none), and
+    std::vector<llama_pos> q_ent_pos;    // the position each value is of
+    int32_t                q_ent_obs = -1;
 
     // sparse prefill state and telemetry (stages/prefill-sparse.cpp), nullptr without it
     ggml_context_ptr        sp_ctx;
@@ -348,6 +351,17 @@ void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector
 // head-mean attention mass of the cells of KV layer ikv at the last observation (averaged over its valid window
 // queries) and the position each cell held then (synchronizes); returns the cells covered
 int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vector<float> & mass, std::vector<llama_pos> & obs_pos);
+
+// per cell of KV layer ikv (in a layer with decode-step rows, window > 1), now: the entropy of its token's head-mean
+// attention over the window's queries that saw it (the rows written while the cell held the token, of queries at or
+// after its position), divided by the log of their number, in [0, 1] (-1 where fewer than two queries saw it), and
+// the position of that token (pos; -1: none); synchronizes; returns the cells covered
+int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, std::vector<float> & ent, std::vector<llama_pos> & pos);
+
+// the same, computed once per observation (the first call after it; the decode steps until the next observation
+// reuse it, as they reuse the scores)
+int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t ikv, const std::vector<float> ** ent,
+                                                 const std::vector<llama_pos> ** pos);
 
 // restores the scores of KV layer ikv from (position, score) pairs, matched to the cells holding those positions
 void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores);

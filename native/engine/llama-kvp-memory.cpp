@@ -535,6 +535,7 @@ void llama_kvp_memory::evict(int32_t ikv, uint32_t n_keep) {
         }
         if (i1 > i0) {
             stage_score->score(policy, ikv, (int32_t) layers.size(), i0, i1, n_topk, cells);
+            stage_fate->rescore(*this, ikv, i0, i1, cells);
         }
     }
 

@@ -1146,6 +1146,72 @@ int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vecto
     return n_kv;
 }
 
+int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, std::vector<float> & ent, std::vector<llama_pos> & pos) {
+    const auto & L = st->layers[ikv];
+    const int32_t n_kv = st->observing() && L.mass_rows ? L.n_kv_obs : 0;
+    ent.assign(std::max(n_kv, 0), -1.0f);
+    pos.assign(std::max(n_kv, 0), -1);
+    if (n_kv <= 0) {
+        return 0;
+    }
+    llama_kvp_sync(st);
+    const int32_t W = st->policy.window;
+    const size_t  row_stride = L.mass_rows->nb[1]/sizeof(float);
+    std::vector<float> rows((size_t) (W - 1)*row_stride + n_kv);
+    ggml_backend_tensor_get(L.mass_rows, rows.data(), 0, rows.size()*sizeof(float));
+    // the window's valid queries: the slots holding the last W positions
+    llama_pos p_max = -1;
+    for (llama_pos p : st->slot_pos) {
+        p_max = std::max(p_max, p);
+    }
+    const llama_kv_cache * kv = st->layer_kv(ikv);
+    llama_kvp_kv_access::cell_positions(*kv, (uint32_t) std::min<int64_t>(n_kv, kv->get_size()), pos.data());
+    std::vector<float> p(W);
+    for (int32_t j = 0; j < n_kv; ++j) {
+        const llama_pos pj = pos[j];
+        if (pj < 0 || j >= (int32_t) L.cell_pos_row.size() || L.cell_pos_row[j] != pj) {
+            continue;
+        }
+        int32_t n   = 0;
+        double  sum = 0.0;
+        for (int32_t s = 0; s < W; ++s) {
+            const llama_pos ps = st->slot_pos[s];
+            if (ps < 0 || ps <= p_max - W || ps < pj || L.row_step[s] < 0 || L.row_step[s] < L.cell_step[j]) {
+                continue;
+            }
+            const float x = rows[(size_t) s*row_stride + j];
+            p[n] = x > 0.0f && std::isfinite(x) ? x : 0.0f;
+            sum += p[n];
+            n++;
+        }
+        if (n < 2 || !(sum > 0.0)) {
+            continue;
+        }
+        // H = log(sum) - sum_i x_i log(x_i) / sum
+        double xlx = 0.0;
+        for (int32_t i = 0; i < n; ++i) {
+            if (p[i] > 0.0f) {
+                xlx += (double) p[i]*std::log(p[i]);
+            }
+        }
+        const double h = std::log(sum) - xlx/sum;
+        ent[j] = (float) std::min(1.0, std::max(0.0, h/std::log((double) n)));
+    }
+    return n_kv;
+}
+
+int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t ikv, const std::vector<float> ** ent,
+                                                 const std::vector<llama_pos> ** pos) {
+    auto & L = st->layers[ikv];
+    if (L.q_ent_obs != st->n_obs) {
+        llama_kvp_obs_layer_query_entropy(st, ikv, L.q_ent, L.q_ent_pos);
+        L.q_ent_obs = st->n_obs;
+    }
+    *ent = &L.q_ent;
+    *pos = &L.q_ent_pos;
+    return (int32_t) L.q_ent.size();
+}
+
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap) {
     auto & L = st->layers[ikv];
     if (!st->observing()) {
@@ -1191,7 +1257,8 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
             L.cell_step[j]    = old_cell_step[o];
             L.cell_pos_row[j] = old_cell_pos_row[o];
         }
-        L.row_step = old_row_step;
+        L.row_step  = old_row_step;
+        L.q_ent_obs = -1;
         ggml_backend_tensor_set(L.mass_rows, rows_new.data(), 0, rows_new.size()*sizeof(float));
     }
 
@@ -1263,7 +1330,8 @@ void llama_kvp_obs_reset(llama_kvp_context * st) {
     st->obs_requested = false;
     for (auto & L : st->layers) {
         std::fill(L.cell_pos_obs.begin(), L.cell_pos_obs.end(), -2);
-        L.n_kv_obs = 0;
+        L.n_kv_obs  = 0;
+        L.q_ent_obs = -1;
     }
 }
 

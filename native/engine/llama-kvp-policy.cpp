@@ -83,6 +83,7 @@ static const llama_kvp_key_info k_keys[] = {
     { "z",          true,  offsetof(llama_kvp_policy, z)          },
     { "rewalk",     false, offsetof(llama_kvp_policy, rewalk)     },
     { "span",       false, offsetof(llama_kvp_policy, span)       },
+    { "lam",        true,  offsetof(llama_kvp_policy, lam)        },
 };
 
 static_assert(sizeof(((llama_kvp_policy *) nullptr)->stage)/sizeof(int32_t) == LLAMA_KVP_SLOT_COUNT, "one stage per slot");

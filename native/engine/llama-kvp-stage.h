@@ -131,6 +131,12 @@ struct llama_kvp_fate_stage : llama_kvp_stage {
     // the stage frees their cells and may fill free cells with its own (at most n_added of them)
     virtual void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const = 0;
 
+    // after the score stage, before the middle cells[i0, i1) of KV layer ikv are ranked: may change their eviction
+    // scores (summarise: which tokens leave by how well a centroid stands for them)
+    virtual void rescore(const llama_kvp_memory & mem, int32_t ikv, uint32_t i0, uint32_t i1, std::vector<llama_kvp_cell> & cells) const {
+        (void) mem; (void) ikv; (void) i0; (void) i1; (void) cells;
+    }
+
     // called once after every layer's eviction of a step: work the stage deferred in leave, done for all layers at
     // once (summarise fits the bins that closed, in parallel)
     virtual void after_evictions(llama_kvp_memory & mem) const { (void) mem; }

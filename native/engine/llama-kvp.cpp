@@ -490,14 +490,20 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
     return size;
 }
 
+// the observing context of ctx if it has KV layer ikv (else nullptr, with the error set)
+static llama_kvp_context * llama_kvp_obs_layer_ctx(llama_context * ctx, int32_t ikv) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (st && (ikv < 0 || ikv >= (int32_t) st->layers.size())) {
+        llama_kvp_set_error("no observed KV layer " + std::to_string(ikv) + " (" + std::to_string(st->layers.size()) + " layers)");
+        return nullptr;
+    }
+    return st;
+}
+
 int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
                               int32_t * n_embd_q, float * scale) {
-    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    llama_kvp_context * st = llama_kvp_obs_layer_ctx(ctx, ikv);
     if (!st) {
-        return -1;
-    }
-    if (ikv < 0 || ikv >= (int32_t) st->layers.size()) {
-        llama_kvp_set_error("no observed KV layer " + std::to_string(ikv) + " (" + std::to_string(st->layers.size()) + " layers)");
         return -1;
     }
     std::vector<float>     q;
@@ -519,6 +525,33 @@ int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q
     }
     for (int32_t i = 0; pos_out && i < n; ++i) {
         pos_out[i] = qpos[i];
+    }
+    return n;
+}
+
+int32_t llama_kvp_obs_query_entropy(struct llama_context * ctx, int32_t ikv, float * ent_out, int32_t * pos_out, int32_t n_max) {
+    llama_kvp_context * st = llama_kvp_obs_layer_ctx(ctx, ikv);
+    if (!st) {
+        return -1;
+    }
+    if (!st->rows_mode()) {
+        llama_kvp_set_error("the query entropy needs a retention policy observing a window of 2 or more queries");
+        return -1;
+    }
+    std::vector<float>     ent;
+    std::vector<llama_pos> pos;
+    const int32_t n = llama_kvp_obs_layer_query_entropy(st, ikv, ent, pos);
+    if ((ent_out || pos_out) && n_max < n) {
+        llama_kvp_set_error("entropy buffers too small: need " + std::to_string(n) + " cells");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (ent_out) {
+            ent_out[i] = ent[i];
+        }
+        if (pos_out) {
+            pos_out[i] = pos[i];
+        }
     }
     return n;
 }

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 16
+#define LLAMA_KVP_API_VERSION 17
 
 #ifdef __cplusplus
 extern "C" {
@@ -139,6 +139,8 @@ struct llama_kvp_policy {
     float   z;          // freeze: recovery ladder on when > 0: a next-token entropy above mean + z*sd is a spike
     int32_t rewalk;     // freeze: tokens the ladder's last level rolls back and generates again (0: no Rewalk)
     int32_t span;       // freeze: decode steps a Window Reset reaches back, and calm steps after which the ladder resets
+    float   lam;        // summarise: tokens leave by log(score) - lam*entropy, the entropy of their attention over the
+                        // window's queries normalised to [0, 1] (the seed's score - lambda*entropy), >= 0; 0 = by score
 };
 
 // what a policy is made of (names are static strings)
@@ -419,6 +421,13 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
 // not observe, or more queries than n_max with an output given)
 int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
                               int32_t * n_embd_q, float * scale);
+
+// per cell of KV layer ikv, now: the entropy of its token's head-mean attention over the observation window's queries
+// that saw it, divided by the log of their number, in [0, 1] (-1: fewer than two queries saw it); the token order of
+// summarise's `lam`. ent_out [n_max] and pos_out [n_max] (the cell's position, -1: empty; either may be NULL); returns
+// the cells covered, -1 on error (the policy keeps no per-query rows: it does not observe, or has no per-layer memory,
+// or a window of one query; or the buffers hold fewer than the cells)
+int32_t llama_kvp_obs_query_entropy(struct llama_context * ctx, int32_t ikv, float * ent_out, int32_t * pos_out, int32_t n_max);
 
 // cffi-end
 

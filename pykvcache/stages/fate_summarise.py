@@ -15,6 +15,9 @@ class SummariseFate(Stage):
     Per KV head, the centroids' keys fit the log attention mass of groups of similar keys and their values the
     bin's attention output, for the observation window's queries (HAE/SRC); the centroids count against the budget.
     When a prompt ends (and at decode steps) a bin's rest worth two or more centroids is fitted too, in proportion.
+    The middle tokens leave by log(score) - `lam`*H (the seed's score - lambda*entropy), H the entropy of a token's
+    attention over the window's queries, in [0, 1] (`Llama.kv_query_entropy`): tokens attended evenly go to bins first.
+    `lam` -1 (default): 2 with a window of two or more queries, 0 (the retention policy's order) with one (H2O).
     """
 
     name: ClassVar[str] = "summarise"
@@ -22,3 +25,4 @@ class SummariseFate(Stage):
 
     bin: Optional[int] = None
     rank: Optional[int] = None
+    lam: Optional[float] = None

@@ -25,6 +25,12 @@
 // Bins close in leave() and are fitted once every layer has evicted (after_evictions): one task per (bin, KV head),
 // shared out among the context's threads, so a step that closes bins in many layers (the prompt's end, the first
 // decode step) takes the longest fit's time per thread, not the sum of all fits.
+// Which tokens enter the bins (the seed's score - λ·entropy): the middle tokens leave by log(score) - lam*H, H the
+// token's entropy over the window's queries: the entropy of the head-mean attention that each window query that saw
+// the token gives it, normalised by the log of their number (llama_kvp_obs_layer_query_entropy). A token every query
+// attends alike leaves before one of equal score that a few queries attend strongly, which a centroid of similar keys
+// stands for worse. The same order without bins (eviction alone) gains much less (SnapKV, essays: 0.0478 against
+// 0.0522; summarise with it 0.0343, without 0.0397).
 
 #include "llama-kvp-stage.h"
 #include "llama-kvp-impl.h"
@@ -496,8 +502,19 @@ struct llama_kvp_summarise_bins {
     uint32_t n_cells(const llama_kvp_policy & p) const { return (uint32_t) (n_full*p.rank + rank_rest); }
 };
 
+// the λ of the token order: `lam`, or with lam = -1 (the default) 2 where the window has two or more queries and 0
+// (the retention policy's order) where it has one (H2O). Measured (SmolLM2, essays KL text, 10% of 1.8k tokens, 768/12,
+// streamed KL at equal bytes): SnapKV 0 0.0397, 0.25 0.0378, 0.5 0.0353, 1 0.0353, 2 0.0343, 4 0.0351, 8 0.0359;
+// entropy 0 0.0333, 0.5 0.0313, 1 0.0324, 2 0.0282, 4 0.0288 (eviction alone 0.0522 and 0.0459)
+static float llama_kvp_summarise_lam(const llama_kvp_policy & p) {
+    if (p.lam >= 0.0f) {
+        return p.lam;
+    }
+    return p.window >= 2 ? 2.0f : 0.0f;
+}
+
 struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
-    llama_kvp_fate_summarise() : llama_kvp_fate_stage(LLAMA_KVP_FATE_SUMMARISE, LLAMA_KVP_SLOT_FATE, "summarise", "bin,rank",
+    llama_kvp_fate_summarise() : llama_kvp_fate_stage(LLAMA_KVP_FATE_SUMMARISE, LLAMA_KVP_SLOT_FATE, "summarise", "bin,rank,lam",
             "leaving tokens go to a bin of `bin` tokens per layer, replaced by `rank` fitted centroid cells when full (a rest of 2*bin/rank or more when a prompt ends)") {}
 
     // 768 tokens in 12 centroids (64 tokens per centroid cell): large bins group the prompt's many leavers into
@@ -505,6 +522,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     void defaults(llama_kvp_policy & p) const override {
         p.bin  = 768;
         p.rank = 12;
+        p.lam  = -1.0f;
     }
 
     std::string check(const llama_kvp_policy & p) const override {
@@ -515,6 +533,14 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         }
         if (p.rank < 1 || p.rank >= p.bin) {
             snprintf(buf, sizeof(buf), "rank must be >= 1 and below bin=%d (got %d)", p.bin, p.rank);
+            return buf;
+        }
+        if (!(p.lam == -1.0f || (p.lam >= 0.0f && p.lam <= 16.0f))) {
+            snprintf(buf, sizeof(buf), "lam must be in [0, 16], or -1 for the default (got %g)", (double) p.lam);
+            return buf;
+        }
+        if (p.lam > 0.0f && p.window < 2) {
+            snprintf(buf, sizeof(buf), "lam needs an observation window of 2 or more queries (window=%d): the entropy is over them", p.window);
             return buf;
         }
         if (!llama_kvp_budget_of(p)) {
@@ -540,6 +566,27 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         const auto & L = mem.layers[ikv];
         const size_t n_pending = L.fate ? static_cast<const llama_kvp_summarise_state &>(*L.fate).pos.size() : 0;
         return llama_kvp_summarise_bins(mem, n_pending + n_leaving).n_cells(mem.policy);
+    }
+
+    // with lam > 0, the seed's ordering: a middle token leaves by log(score) - lam*H, H the entropy of its head-mean
+    // attention over the window's queries that saw it, normalised to [0, 1] (llama_kvp_obs_layer_query_entropy); the
+    // score is multiplied by exp(-lam*H), so its scale does not matter. A token attended evenly by every query
+    // (H near 1) goes to a bin before one that a few queries attend as much in all (H low: a centroid of similar
+    // keys stands for it worse). Tokens without two queries' rows keep their score.
+    void rescore(const llama_kvp_memory & mem, int32_t ikv, uint32_t i0, uint32_t i1, std::vector<llama_kvp_cell> & cells) const override {
+        const float lam = llama_kvp_summarise_lam(mem.policy);
+        if (!(lam > 0.0f) || !mem.st || i1 <= i0) {
+            return;
+        }
+        const std::vector<float>     * ent = nullptr;
+        const std::vector<llama_pos> * pos = nullptr;
+        const int32_t n_kv = llama_kvp_obs_layer_query_entropy_at_obs(mem.st, ikv, &ent, &pos);
+        for (uint32_t i = i0; i < i1; ++i) {
+            auto & c = cells[i];
+            if (c.idx < (uint32_t) n_kv && (*pos)[c.idx] == c.pos && (*ent)[c.idx] >= 0.0f && c.score > 0.0f) {
+                c.score *= std::exp(-lam*(*ent)[c.idx]);
+            }
+        }
     }
 
     void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const override {
