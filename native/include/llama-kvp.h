@@ -140,7 +140,8 @@ struct llama_kvp_policy {
     int32_t rewalk;     // freeze: tokens the ladder's last level rolls back and generates again (0: no Rewalk)
     int32_t span;       // freeze: decode steps a Window Reset reaches back, and calm steps after which the ladder resets
     float   lam;        // summarise: tokens leave by log(score) - lam*entropy, the entropy of their attention over the
-                        // window's queries normalised to [0, 1] (the seed's score - lambda*entropy), >= 0; 0 = by score
+                        // window's queries normalised to [0, 1] (the seed's score - lambda*entropy), in [0, 16]; 0 = by
+                        // score alone; -1 (default) = 2 with a window of 2 or more queries, else 0
 };
 
 // what a policy is made of (names are static strings)

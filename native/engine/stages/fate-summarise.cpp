@@ -28,9 +28,10 @@
 // Which tokens enter the bins (the seed's score - λ·entropy): the middle tokens leave by log(score) - lam*H, H the
 // token's entropy over the window's queries: the entropy of the head-mean attention that each window query that saw
 // the token gives it, normalised by the log of their number (llama_kvp_obs_layer_query_entropy). A token every query
-// attends alike leaves before one of equal score that a few queries attend strongly, which a centroid of similar keys
-// stands for worse. The same order without bins (eviction alone) gains much less (SnapKV, essays: 0.0478 against
-// 0.0522; summarise with it 0.0343, without 0.0397).
+// attends alike leaves before one of equal score that a few queries attend strongly (the seed's reasoning: the first
+// is background a centroid can carry, the second a specific fact). Measured: the same order without bins (eviction
+// alone) gains much less (SnapKV, essays: 0.0478 against 0.0522; summarise with it 0.0343, without 0.0397); on texts
+// never used for the choice it gains at 10% and is within the noise at 25% (docs/NOTES.md).
 
 #include "llama-kvp-stage.h"
 #include "llama-kvp-impl.h"
@@ -571,8 +572,8 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     // with lam > 0, the seed's ordering: a middle token leaves by log(score) - lam*H, H the entropy of its head-mean
     // attention over the window's queries that saw it, normalised to [0, 1] (llama_kvp_obs_layer_query_entropy); the
     // score is multiplied by exp(-lam*H), so its scale does not matter. A token attended evenly by every query
-    // (H near 1) goes to a bin before one that a few queries attend as much in all (H low: a centroid of similar
-    // keys stands for it worse). Tokens without two queries' rows keep their score.
+    // (H near 1) goes to a bin before one that a few queries attend as much in all (H low). Tokens without two
+    // queries' rows keep their score.
     void rescore(const llama_kvp_memory & mem, int32_t ikv, uint32_t i0, uint32_t i1, std::vector<llama_kvp_cell> & cells) const override {
         const float lam = llama_kvp_summarise_lam(mem.policy);
         if (!(lam > 0.0f) || !mem.st || i1 <= i0) {
