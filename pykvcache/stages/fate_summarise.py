@@ -12,8 +12,9 @@ from ..policies import Stage
 class SummariseFate(Stage):
     """Leaving tokens go to a bin of `bin` tokens per layer (768); a full bin becomes `rank` (12) fitted centroid cells.
 
-    Per KV head, the centroids' keys fit the log attention mass of groups of similar keys and their values the
-    bin's attention output, for the observation window's queries (HAE/SRC); the centroids count against the budget.
+    Per KV head, the bin is split into groups of similar keys and values; the centroids' keys fit the groups' log
+    attention mass and their values the bin's attention output, for the observation window's queries (HAE/SRC); the
+    centroids count against the budget.
     When a prompt ends (and at decode steps) a bin's rest worth two or more centroids is fitted too, in proportion.
     The middle tokens leave by log(score) - `lam`*H (the seed's score - lambda*entropy), H the entropy of a token's
     attention over the window's queries, in [0, 1] (`Llama.kv_query_entropy`): tokens attended evenly go to bins first.
