@@ -158,7 +158,8 @@ def test_lam_sends_tokens_attended_evenly_to_the_bins(model_path, text):
                     kv_policy=f"snapkv:budget={BUDGET}+summarise:lam={lam}")
         llm.eval(text[:N_PREFIX])
         assert llm.kv_summary().n_bins > 0
-        mean[lam] = np.array([llm.kv_query_entropy(il)[1][llm.kv_query_entropy(il)[1] >= 0].mean() for il in range(30)])
+        ents = [llm.kv_query_entropy(il)[1] for il in range(30)]
+        mean[lam] = np.array([e[e >= 0].mean() for e in ents])
         llm.close()
     assert mean[8].mean() < mean[0].mean() - 0.01, (mean[8].mean(), mean[0].mean())
     assert (mean[8] < mean[0]).sum() >= 20

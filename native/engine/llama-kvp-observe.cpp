@@ -593,6 +593,11 @@ float * llama_kvp_obs_input::host_part(const llama_kvp_obs_cells & c, ggml_tenso
     return (float *) ((char *) all->data + (rows ? packed.off_rows[ikv] : packed.off_keep[ikv]));
 }
 
+// a window query is valid when its ring slot holds one of the last W positions up to p_max (-1: an empty slot)
+static bool llama_kvp_slot_valid(llama_pos p, llama_pos p_max, int32_t W) {
+    return p >= 0 && p <= p_max && p > p_max - W;
+}
+
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     const int32_t W = st->policy.window;
 
@@ -657,7 +662,7 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     std::vector<bool> valid(W, false);
     for (int32_t s = 0; s < W; ++s) {
         const llama_pos p = st->slot_pos[s];
-        valid[s] = p >= 0 && p <= p_max && p > p_max - W;
+        valid[s] = llama_kvp_slot_valid(p, p_max, W);
         n_valid += valid[s] ? 1 : 0;
     }
 
@@ -1176,7 +1181,7 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
         double  sum = 0.0;
         for (int32_t s = 0; s < W; ++s) {
             const llama_pos ps = st->slot_pos[s];
-            if (ps < 0 || ps <= p_max - W || ps < pj || L.row_step[s] < 0 || L.row_step[s] < L.cell_step[j]) {
+            if (!llama_kvp_slot_valid(ps, p_max, W) || ps < pj || L.row_step[s] < 0 || L.row_step[s] < L.cell_step[j]) {
                 continue;
             }
             const float x = rows[(size_t) s*row_stride + j];
