@@ -145,9 +145,10 @@ class Llama(llama_cpp.Llama):
             self.input_ids[self.n_tokens : self.n_tokens + k] = tokens[:k]
             self.n_tokens += k
             tokens = tokens[k:]
-        if pol is not None and pol.sparse and not self._logits_all and len(tokens) > self.n_batch:
-            # sparse prefill: only the prompt's last token asks for logits (llama_cpp asks for every chunk's last),
-            # since a segment holding a token whose logits are read attends to every block
+        if pol is not None and (pol.sparse or pol.summarises) and not self._logits_all and len(tokens) > self.n_batch:
+            # only the prompt's last token asks for logits (llama_cpp asks for every chunk's last): with sparse prefill
+            # a segment holding a token whose logits are read attends to every block; summarise fits a bin's rest
+            # where a prompt ends, which a token giving logits marks
             tokens = self._eval_without_logits(tokens)
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()

@@ -114,6 +114,11 @@ class Policy:
         return self._desc["sparse"]
 
     @property
+    def summarises(self) -> bool:
+        """Whether leaving tokens are replaced by fitted centroid cells (fate stage `summarise`)."""
+        return self._desc["stages"].get("fate") == "summarise"
+
+    @property
     def guides(self) -> bool:
         """Whether prompt chunks are scored by the prompt's end run behind them (guided prefill)."""
         return self._desc["guides"]

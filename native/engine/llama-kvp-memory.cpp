@@ -367,9 +367,8 @@ void llama_kvp_memory::restart_budgets(int32_t n) {
     }
 }
 
-void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
+void llama_kvp_memory::decide_budgets() {
     const int32_t n = (int32_t) layers.size();
-    n_ubatch_cur = n_tokens;
 
     // budgets decided from the attention entropy: (re)decided whenever a prompt ubatch was observed, from the mean
     // entropy of the prompt observations so far (decode-step observations refresh scores, not budgets)
@@ -386,6 +385,11 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
             n_budget++;
         }
     }
+}
+
+void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
+    n_ubatch_cur = n_tokens;
+    decide_budgets();
 
     // a decode step: the schedule may move tokens between the caches and the host tier first, and says whether the
     // step evicts down to the budgets (the first step after a prompt always does)
@@ -402,7 +406,11 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
         n_since_prompt++;
         n_steps_total++;
     }
+    evict_layers(n_tokens, evict_all);
+}
 
+void llama_kvp_memory::evict_layers(uint32_t n_tokens, bool evict_all) {
+    const int32_t n = (int32_t) layers.size();
     for (int32_t i = 0; i < n; ++i) {
         auto & L = layers[i];
         const uint32_t n_used = llama_kvp_kv_access::n_used(*L.kv);
@@ -416,6 +424,19 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
         }
     }
     stage_fate->after_evictions(*this);
+}
+
+void llama_kvp_memory::ubatch_done(const llama_ubatch & ubatch) {
+    const bool ends = ubatch.n_tokens > 1 && ubatch.output && ubatch.output[ubatch.n_tokens - 1];
+    if (!ends || guiding || !stage_fate->settles_prompt_end()) {
+        return;
+    }
+    // what the next step's preparation would do first, with the same budgets and observations (a decode step or a
+    // chunk then finds nothing to evict)
+    decide_budgets();
+    ubatch_ends = true;
+    evict_layers(1, true);
+    ubatch_ends = false;
 }
 
 void llama_kvp_memory::cells_in_order(int32_t ikv, std::vector<llama_kvp_cell> & cells) {
@@ -1244,6 +1265,9 @@ llama_kvp_memory_context::llama_kvp_memory_context(llama_kvp_memory * mem, std::
 
 bool llama_kvp_memory_context::next() {
     ctxs.clear();
+    if (i_cur < ubatches.size()) {
+        mem->ubatch_done(ubatches[i_cur]);
+    }
     return ++i_cur < ubatches.size();
 }
 

@@ -121,6 +121,11 @@ public:
     // make room for a ubatch of n_tokens in every layer: evict down to the budgets (deciding entropy budgets first)
     void prepare_ubatch(uint32_t n_tokens);
 
+    // a ubatch was computed: where the fate stage asks for it (settles_prompt_end) and a prompt or a streamed chunk
+    // ended in it (2+ tokens, the last giving logits), the layers evict down to their budgets now instead of at the
+    // next step, so that the work on the prompt's last leavers (summarise's fits) is the prompt's
+    void ubatch_done(const llama_ubatch & ubatch);
+
     // K+V bytes of all layer caches of all sequences now
     int64_t bytes() const;
 
@@ -187,6 +192,7 @@ public:
     int64_t n_rerank        = 0; // latent re-rankings (schedule stage `latent`), per layer
     int32_t n_since_prompt  = 0; // decode steps since the last prompt ubatch
     uint32_t n_ubatch_cur   = 0; // tokens of the ubatch being prepared
+    bool     ubatch_ends    = false; // the eviction settles a prompt's end (ubatch_done): nothing more comes before logits
     int32_t n_steps_total   = 0; // decode steps since the memory was created
 
     std::unique_ptr<llama_kvp_layer_state> sched_state; // the schedule stage's state of the whole memory (nullptr: none)
@@ -241,6 +247,13 @@ private:
 
     // evict the lowest-value cells of one layer until n_keep remain
     void evict(int32_t ikv, uint32_t n_keep);
+
+    // the budgets from the prompt's attention entropy, if the budget stage follows it and a prompt ubatch was observed
+    void decide_budgets();
+
+    // every layer: evict down to its budget (less room for n_tokens coming; only where they do not fit unless
+    // evict_all), resize where its capacity changed, then the fate stage's deferred work
+    void evict_layers(uint32_t n_tokens, bool evict_all);
 
     // the value norms the observation did not compute (NaN in cells[].value: a cell the host filled or moved since, a
     // restored state), from the layer's V cache on the host

@@ -141,6 +141,10 @@ struct llama_kvp_fate_stage : llama_kvp_stage {
     // once (summarise fits the bins that closed, in parallel)
     virtual void after_evictions(llama_kvp_memory & mem) const { (void) mem; }
 
+    // whether the layers evict down to their budgets as soon as a prompt has been computed (a ubatch of 2+ tokens whose
+    // last gives logits) rather than at the next step: the work on the prompt's last leavers then belongs to the prompt
+    virtual bool settles_prompt_end() const { return false; }
+
     // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
     virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
 
