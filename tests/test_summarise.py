@@ -317,6 +317,18 @@ def test_the_prompts_last_leavers_are_summarised_when_it_ends(model_path, text):
     llm.close()
 
 
+def test_a_prompt_longer_than_n_batch_ends_once(model_path, text):
+    """llama_cpp asks logits for every n_batch chunk's last token; Llama.eval asks them only for a summarising prompt's
+    last, so the prompt's leavers are settled and fitted once, as one partial bin per layer, not at every n_batch."""
+    llm = Llama(model_path, n_ctx=1024, n_batch=256, n_ubatch=256, verbose=False,
+                kv_policy="snapkv:budget=96,guide=0+summarise:bin=4096,rank=64")  # guided chunks never ask logits
+    n_layers = len(llm.kv_memory().layers)
+    llm.eval(text[:768])  # three n_batch chunks (asking logits at each: 3 bins per layer)
+    s = llm.kv_summary()
+    assert s.n_bins == n_layers and s.n_pending == 0 and s.n_tokens > 600 * n_layers
+    llm.close()
+
+
 @pytest.mark.parametrize("n_prompt, fitted", [(450, False), (500, True)])
 def test_a_rest_is_fitted_only_when_worth_two_centroids(model_path, text, n_prompt, fitted):
     """bin=256, rank=4 (64 tokens per centroid): after the first decode step each layer holds one full bin and a rest
