@@ -138,8 +138,9 @@ static void kvbench_usage(const char * argv0) {
     printf("context, then its decode steps alternate with the policy's (same token), so that a slow moment of the machine\n");
     printf("costs both alike; `x limit` = tg t/s / the tg t/s of those limit steps; `limit:d=B` rows (md; \"limits\" in\n");
     printf("json) pool every policy's limit steps at that depth.\n");
-    printf("host tier (a policy with +host): its peak bytes (not in KV MiB) and its token moves per repetition, all layers:\n");
-    printf("frozen, evicted to host, thawed, dropped for good, latent re-ranks, promoted; recovery ladder events (md: a second table).\n");
+    printf("host memory of the fate stage (not in KV MiB; md: a second table): its peak bytes, for the host tier (a policy with\n");
+    printf("+host) with its token moves per repetition, all layers: frozen, evicted to host, thawed, dropped for good, latent\n");
+    printf("re-ranks, promoted, recovery ladder events; for summarise, the pending bins (as allocated).\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);
@@ -476,6 +477,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     llama_kvp_memory_info(ctx, &mi);
     r.kv_bytes      = mi.bytes;
     r.kv_bytes_peak = mi.bytes_peak;
+    r.host_bytes_peak = mi.host_bytes_peak; // the host tier's tokens or summarise's pending bins
     r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
     struct llama_kvp_host_stats hs = {};
     if (r.host && llama_kvp_host(ctx, &hs) == 0) {
@@ -638,10 +640,10 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - | - |\n",
                 l.label.c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
     }
-    // the host tier's rows apart: its bytes are not in `KV MiB`
+    // the fate stage's host memory apart (the host tier, summarise's pending bins): its bytes are not in `KV MiB`
     bool any_host = false;
     for (const auto & r : results) {
-        any_host = any_host || r.host;
+        any_host = any_host || r.host || r.host_bytes_peak > 0;
     }
     if (!any_host) {
         return;
@@ -650,6 +652,10 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for (const auto & r : results) {
         if (!r.host) {
+            if (r.host_bytes_peak > 0) {
+                printf("| %s | %d | %d | %d | %.2f | - | - | - | - | - | - | - |\n",
+                        r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0);
+            }
             continue;
         }
         printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",

@@ -74,6 +74,7 @@ def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_
     row.update(compare_logprobs(ref, got))
     mem = r.llm.kv_memory()
     row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
+    row["host_bytes_peak"] = mem.host_bytes_peak  # summarise's pending bins, not in the KV bytes
     summ = "+summarise" in row["spec"]
     t_prev = 0.0
     if summ:
@@ -174,13 +175,13 @@ def markdown(res: Dict[str, Any]) -> str:
     """The results as a markdown table."""
     lines = [f"{res['date']}, {res['cpu']}, {res['threads']} threads: `{res['command']}`", "",
              "| policy | budget | fate | KL mean | x drop | top-1 | attn err | attn cos | centroids/layer | fit err | ms/bin | "
-             "ms/token | x drop | needles |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "bins' host MiB | ms/token | x drop | needles |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     drop: Dict[Any, Dict[str, Any]] = {}
     for r in res["rows"]:
         if r["spec"] == "full":
             nh = r["needle_hits"]
-            lines.append(f"| full | - | - | 0 | - | 1.000 | 0 | 1 | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
+            lines.append(f"| full | - | - | 0 | - | 1.000 | 0 | 1 | - | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
             continue
         key = (r["policy"], r["budget_frac"])
         if r["kind"] == "drop":
@@ -192,12 +193,17 @@ def markdown(res: Dict[str, Any]) -> str:
         lines.append(
             f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
             f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}"
-            f"{r['centroids_per_layer']:.1f} | {r['fit_err']:.2f} | {r['ms_per_bin']:.2f} | " if summ else
+            f"{r['centroids_per_layer']:.1f} | {r['fit_err']:.2f} | {r['ms_per_bin']:.2f} | {host_mib(r)} | " if summ else
             f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
-            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}- | - | - | ")
+            f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}- | - | - | - | ")
         lines[-1] += (f"{r['ms_per_token']:.1f} | {r['ms_per_token'] / d['ms_per_token']:.2f} | "
                       + (f"{sum(nh)}/{len(nh)} |" if nh else "- |"))
     return "\n".join(lines + layers_markdown(res))
+
+
+def host_mib(r: Dict[str, Any]) -> str:
+    """The pending bins' peak host memory in MiB ('-' in results from before it was recorded)."""
+    return f"{r['host_bytes_peak'] / 2**20:.1f}" if "host_bytes_peak" in r else "-"
 
 
 def layers_markdown(res: Dict[str, Any]) -> List[str]:

@@ -92,7 +92,10 @@ class LayerBudget:
 
 @dataclass(frozen=True)
 class KVMemory:
-    """KV memory of a context now and at its peak (bytes of the real ggml buffers), with per-layer budgets."""
+    """KV memory of a context now and at its peak (bytes of the real ggml buffers), with per-layer budgets.
+
+    `host_bytes` / `host_bytes_peak`: the fate stage's host memory, not in `bytes` (the host tier's tokens, or
+    summarise's pending bins as allocated)."""
 
     bytes: int
     bytes_peak: int

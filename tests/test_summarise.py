@@ -329,6 +329,47 @@ def test_a_prompt_longer_than_n_batch_ends_once(model_path, text):
     llm.close()
 
 
+def test_the_pending_bins_are_host_memory_beside_the_cache(model_path, text):
+    """The leavers waiting in a bin are host memory, not cache: the memory reports them as its host bytes (a bin's
+    rows per layer at least, or a prompt's leavers if more, as allocated), decode steps do not grow them, clearing
+    the context gives them back, and kvbench shows them apart from the KV bytes; plain eviction holds none."""
+    pol = "snapkv:budget=96+summarise:bin=256,rank=4"
+    llm = Llama(model_path, n_ctx=1024, n_batch=512, n_ubatch=512, verbose=False, kv_policy=pol)
+    n_layers = len(llm.kv_memory().layers)
+    llm.eval(text[:450])  # ~350 leavers per layer at once: one bin fitted, ~100 pending (see the rest test below)
+    mem, s = llm.kv_memory(), llm.kv_summary()
+    assert s.n_pending > 0
+    row = s.pending_bytes // s.n_pending  # one token's K and V in one layer (f16)
+    assert s.pending_bytes == row * s.n_pending
+    assert s.pending_bytes < mem.host_bytes == mem.host_bytes_peak
+    assert 256 * row * n_layers <= mem.host_bytes <= 450 * row * n_layers
+    assert mem.bytes == mem.bytes_peak  # not in the cache's bytes
+    for t in text[450:460]:
+        llm.eval([t])
+    assert llm.kv_memory().host_bytes == mem.host_bytes
+    llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+    after = llm.kv_memory()
+    assert after.host_bytes == 0 and after.host_bytes_peak == mem.host_bytes
+    llm.close()
+
+    drop = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="snapkv:budget=96")
+    drop.eval(text[:450])
+    assert (drop.kv_memory().host_bytes, drop.kv_memory().host_bytes_peak) == (0, 0)
+    drop.close()
+
+    from pykvcache import cli
+    import subprocess
+    base = [str(cli.kvbench_path()), "--no-progress", "--no-limit", "-p", "450", "-n", "4", "-r", "1", "-t", "2",
+            "--policy", pol, "-m", model_path]
+    out = subprocess.run(base + ["-o", "json"], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    rows = {r["label"]: r for r in json.loads(out.stdout)["results"]}
+    assert rows[pol]["host_bytes_peak"] >= 256 * row * n_layers and rows["full"]["host_bytes_peak"] == 0
+    assert not rows[pol]["host"]  # not the host tier
+    md = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd="/").stdout
+    assert "| host peak MiB |" in md and md.count(f"| {pol} |") == 2
+
+
 @pytest.mark.parametrize("n_prompt, fitted", [(450, False), (500, True)])
 def test_a_rest_is_fitted_only_when_worth_two_centroids(model_path, text, n_prompt, fitted):
     """bin=256, rank=4 (64 tokens per centroid): after the first decode step each layer holds one full bin and a rest

@@ -264,8 +264,9 @@ struct llama_kvp_memory_info {
     int64_t n_evicted;  // cells evicted so far, all layers
     int32_t n_resize;   // per-layer cache reallocations so far
     int32_t n_budget;   // layer budget decisions (entropy policy) so far
-    int64_t host_bytes;      // K+V bytes in the host tier now (fate stage `host`; not in `bytes`)
-    int64_t host_bytes_peak; // largest host-tier bytes at any time
+    int64_t host_bytes;      // host memory of the fate stage's K+V now, not in `bytes`: the host tier's tokens (fate
+                             // stage `host`) or summarise's pending bins (as allocated, up to `bin` rows per layer)
+    int64_t host_bytes_peak; // largest host_bytes at any time
     int32_t n_active;   // tokens the layer caches hold now, all layers (the host tier's are not counted)
     int32_t n_seq;      // sequences the context holds (n_seq_max), each in caches of its own; `bytes` and
                         // `bytes_peak` count all of them, budget, n_prompt and n_active the current one
@@ -332,7 +333,7 @@ struct llama_kvp_summary_stats {
     int64_t n_tokens;     // tokens summarised (in the bins replaced)
     int32_t n_pending;    // tokens waiting in partly filled bins (held in host memory, not in the cache)
     int32_t n_centroids;  // centroid cells in the caches now
-    int64_t pending_bytes; // host bytes of the pending tokens' K/V (f32)
+    int64_t pending_bytes; // host bytes of the pending tokens' K/V (f16; the bins' allocation is memory_info's host_bytes)
     float   fit_err;      // mean relative error of the bins' attention outputs on the reference queries
     float   fit_lse_err;  // mean absolute error of the bins' log attention mass on the reference queries (nats)
     double  t_ms;         // time spent reading, fitting and writing bins (ms)

@@ -350,6 +350,8 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     std::vector<std::pair<int32_t, int32_t>> closing; // bins that closed in this step's eviction: (tokens, centroids),
                                                       // the first pending tokens in this order (fitted in after_evictions)
 
+    int64_t host_bytes = 0;  // the host bytes of k and v as counted in the memory's host_bytes (allocated)
+
     int64_t n_bins     = 0;
     int64_t n_fallback = 0;
     int64_t n_tokens   = 0;
@@ -358,6 +360,15 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     double  lse_sum    = 0.0;
     double  t_ms       = 0.0;
 };
+
+// counts a layer's pending bin, as allocated, in the memory's host bytes (the fate stage's host memory, not in the
+// cache's bytes) and their peak: the change since it was last counted, so that every sequence's bins add up
+static void llama_kvp_summarise_count_host(llama_kvp_memory & mem, llama_kvp_summarise_state & S) {
+    const int64_t bytes = (int64_t) ((S.k.capacity() + S.v.capacity())*sizeof(ggml_fp16_t));
+    mem.host_bytes     += bytes - S.host_bytes;
+    mem.host_bytes_peak = std::max(mem.host_bytes_peak, mem.host_bytes);
+    S.host_bytes        = bytes;
+}
 
 // the bin state of KV layer ikv if bins closed in it this step (nullptr if none)
 static llama_kvp_summarise_state * llama_kvp_summarise_closing(llama_kvp_memory & mem, int32_t ikv) {
@@ -638,6 +649,14 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             llama_kvp_cells_read(vt, false, size, idx_in, v_rows.data());
         }
         std::vector<float> row_f(std::max(n_embd_k, n_embd_v));
+        // room for a whole bin at once: the pending rows grow to `bin` (and past it by a prompt chunk's leavers) without
+        // the doubling of one row at a time, which would hold up to twice the rows in host memory
+        const size_t n_rows = S.pos.size() + idx_in.size();
+        if (S.k.capacity() < n_rows*n_embd_k) {
+            const size_t rows = std::max<size_t>(n_rows, (size_t) mem.policy.bin);
+            S.k.reserve(rows*n_embd_k);
+            S.v.reserve(rows*n_embd_v);
+        }
         size_t i_in = 0;
         for (const auto & c : leaving) {
             if (L.bias.count(c.pos)) {
@@ -665,6 +684,8 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             mem.cell_free(ikv, c.idx);
             i_in++;
         }
+
+        llama_kvp_summarise_count_host(mem, S);
 
         const llama_kvp_summarise_bins bins(mem, S.pos.size());
         S.closing.clear();
@@ -788,6 +809,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.k.erase(S.k.begin(), S.k.begin() + (size_t) n*n_embd_k);
             S.v.erase(S.v.begin(), S.v.begin() + (size_t) n*n_embd_v);
             S.closing.clear();
+            llama_kvp_summarise_count_host(mem, S);
         }
     }
 
@@ -821,12 +843,15 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.v.resize(w*n_embd_v);
             if (p0 <= 0 && p1 < 0) {
                 S.done.clear();
+                S.k.shrink_to_fit(); // a cleared sequence gives its bin's host memory back
+                S.v.shrink_to_fit();
             } else {
                 S.done.erase(std::remove_if(S.done.begin(), S.done.end(), [&](llama_pos p) { return p >= p0 && (p1 < 0 || p < p1); }), S.done.end());
             }
             if (S.pos.empty() && S.done.empty()) {
                 S.pos_max = -1;
             }
+            llama_kvp_summarise_count_host(mem, S);
         }
     }
 
