@@ -165,7 +165,8 @@ the policy alone; `summarise`: the same budget with the tokens it evicts summari
 equal KV bytes, the REAL comparison); `drop, FAIR`: the policy alone with the budget minus summarise's centroid cells
 per layer (the same real tokens as summarise, the FAIR comparison). x drop: against `drop` of the same policy and
 budget. fit err: relative error of the bins' attention outputs on the window queries they were fitted to. ms/bin:
-reading, fitting and writing one layer's bin. ms/token: greedy decoding after the streamed text. Needles
+reading, fitting and writing one layer's bin. bins' host MiB: the peak host memory of the bins' pending leavers
+(all layers, as allocated; not in the KV bytes). ms/token: greedy decoding after the streamed text. Needles
 ({', '.join(str(n) for n in res['needle_lengths'])}-token haystacks, 5 depths) at the needle budget only.
 {note}
 {summarise_markdown(res)}
