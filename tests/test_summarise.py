@@ -2,11 +2,12 @@
 the real model bounded memory, telemetry, a saved state, and streamed quality next to plain eviction."""
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
 
-from pykvcache import Llama, PolicyError, SnapKV, SummariseFate, parse_policy
+from pykvcache import Llama, PolicyError, SnapKV, SummariseFate, cli, parse_policy
 from pykvcache._native import native
 from pykvcache.corpus import essays
 
@@ -357,8 +358,6 @@ def test_the_pending_bins_are_host_memory_beside_the_cache(model_path, text):
     assert (drop.kv_memory().host_bytes, drop.kv_memory().host_bytes_peak) == (0, 0)
     drop.close()
 
-    from pykvcache import cli
-    import subprocess
     base = [str(cli.kvbench_path()), "--no-progress", "--no-limit", "-p", "450", "-n", "4", "-r", "1", "-t", "2",
             "--policy", pol, "-m", model_path]
     out = subprocess.run(base + ["-o", "json"], capture_output=True, text=True, timeout=300, cwd="/")
