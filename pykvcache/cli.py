@@ -156,7 +156,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     stats = llm.kv_stats()
     pol = llm.kv_policy.spec() if llm.kv_policy is not None else "none"
-    print(f"{stats.summary()} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
+    host = ""
+    if llm.kv_policy is not None:
+        mem = llm.kv_memory()
+        if mem.host_bytes_peak > 0:  # the host tier's tokens or summarise's pending bins, not in the cache
+            host = f" | host memory {mem.host_bytes / 2**20:.2f} MiB (peak {mem.host_bytes_peak / 2**20:.2f} MiB)"
+    print(f"{stats.summary()}{host} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
     _write_telemetry(llm, args)
     return 0
 

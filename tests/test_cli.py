@@ -51,6 +51,15 @@ def test_generate_prints_text_and_kv_line(tmp_path):
     assert "30 layers x 256 cells" in kv[0] and "MiB" in kv[0] and "policy none" in kv[0]
 
 
+def test_generate_shows_summarises_host_memory_beside_the_cache(tmp_path):
+    """Summarise's pending bins are host memory, not cache: the KV line names them (eviction alone has none)."""
+    for policy, shown in (("snapkv:budget=48+summarise:bin=32,rank=4", True), ("snapkv:budget=48", False)):
+        out = run("generate", "-p", PROMPT * 20, "-n", "8", "-c", "512", "--policy", policy, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        kv = [ln for ln in out.stderr.splitlines() if ln.startswith("KV cache:")]
+        assert len(kv) == 1 and ("| host memory " in kv[0] and "MiB (peak " in kv[0]) == shown, kv
+
+
 def test_generate_with_observe_writes_a_plot(tmp_path):
     png = tmp_path / "kv.png"
     out = run("generate", "-p", PROMPT, "-n", "4", "-c", "256", "--policy", "observe:window=8", "--plot", str(png))
