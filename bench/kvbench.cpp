@@ -481,7 +481,6 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     r.n_evicted     = (mi.n_evicted - mi0.n_evicted)/params.reps;
     struct llama_kvp_host_stats hs = {};
     if (r.host && llama_kvp_host(ctx, &hs) == 0) {
-        r.host_bytes_peak = hs.host_bytes_peak;
         r.n_freeze        = (hs.n_freeze  - hs0.n_freeze )/params.reps;
         r.n_host_evict    = (hs.n_evict   - hs0.n_evict  )/params.reps;
         r.n_thaw          = (hs.n_thaw    - hs0.n_thaw   )/params.reps;
