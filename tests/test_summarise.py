@@ -340,8 +340,12 @@ def test_the_pending_bins_are_host_memory_beside_the_cache(model_path, text):
     llm.eval(text[:450])  # ~350 leavers per layer at once: one bin fitted, ~100 pending (see the rest test below)
     mem, s = llm.kv_memory(), llm.kv_summary()
     assert s.n_pending > 0
-    row = s.pending_bytes // s.n_pending  # one token's K and V in one layer (f16)
+    row = s.pending_bytes // s.n_pending  # one token's K and V in one layer
     assert s.pending_bytes == row * s.n_pending
+    meta = llm.metadata
+    n_embd_kv = int(meta["llama.embedding_length"]) // int(meta["llama.attention.head_count"]) * \
+        int(meta["llama.attention.head_count_kv"])
+    assert row == 2 * (n_embd_kv // 32) * 34  # q8_0 rows (34 bytes per 32 values): about half of f16's 4 * n_embd_kv
     assert s.pending_bytes < mem.host_bytes == mem.host_bytes_peak
     assert 256 * row * n_layers <= mem.host_bytes <= 450 * row * n_layers
     assert mem.bytes == mem.bytes_peak  # not in the cache's bytes

@@ -233,7 +233,7 @@ llama_memory_i * llama_kvp_create_memory(
         throw fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
     }
     if (const auto * fate = llama_kvp_fate_of(policy)) {
-        const std::string err = fate->check_model(policy, (int32_t) model.hparams.n_embd_head_k());
+        const std::string err = fate->check_model(policy, (int32_t) model.hparams.n_embd_head_k(), cparams.n_ctx_seq);
         if (!err.empty()) {
             throw fail("policy '" + pname + "': " + err);
         }

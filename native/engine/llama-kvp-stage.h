@@ -121,8 +121,10 @@ struct llama_kvp_schedule_stage : llama_kvp_stage {
 struct llama_kvp_fate_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
 
-    // "" if the policy can run on this model (checked when the memory is created)
-    virtual std::string check_model(const llama_kvp_policy & p, int32_t n_embd_head) const { (void) p; (void) n_embd_head; return ""; }
+    // "" if the policy can run on this model and context (checked when the memory is created)
+    virtual std::string check_model(const llama_kvp_policy & p, int32_t n_embd_head, uint32_t n_ctx_seq) const {
+        (void) p; (void) n_embd_head; (void) n_ctx_seq; return "";
+    }
 
     // cells the stage puts back into KV layer ikv when n_leaving more tokens leave it (e.g. centroids)
     virtual uint32_t n_added(const llama_kvp_memory & mem, int32_t ikv, uint32_t n_leaving) const { (void) mem; (void) ikv; (void) n_leaving; return 0; }

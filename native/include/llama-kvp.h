@@ -333,7 +333,7 @@ struct llama_kvp_summary_stats {
     int64_t n_tokens;     // tokens summarised (in the bins replaced)
     int32_t n_pending;    // tokens waiting in partly filled bins (held in host memory, not in the cache)
     int32_t n_centroids;  // centroid cells in the caches now
-    int64_t pending_bytes; // host bytes of the pending tokens' K/V (f16; the bins' allocation is memory_info's host_bytes)
+    int64_t pending_bytes; // host bytes of the pending tokens' K/V (q8_0; the bins' allocation is memory_info's host_bytes)
     float   fit_err;      // mean relative error of the bins' attention outputs on the reference queries
     float   fit_lse_err;  // mean absolute error of the bins' log attention mass on the reference queries (nats)
     double  t_ms;         // time spent reading, fitting and writing bins (ms)

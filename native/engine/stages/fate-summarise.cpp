@@ -343,8 +343,11 @@ int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, con
 struct llama_kvp_summarise_state : llama_kvp_layer_state {
     std::vector<llama_pos> pos;    // pending tokens, in the order they left
     std::vector<float>     score;  // their eviction scores
-    std::vector<ggml_fp16_t> k;    // their K rows (f16, n_embd_k_gqa each: half the host memory of f32, and no
-    std::vector<ggml_fp16_t> v;    // coarser than the cache's own types), their V rows (n_embd_v_gqa each)
+    std::vector<uint8_t>   k;      // their K rows (n_embd_k_gqa values each, of type `type`), their V rows
+    std::vector<uint8_t>   v;      // (n_embd_v_gqa each)
+    ggml_type              type  = GGML_TYPE_COUNT; // the rows' type, set at the first leavers (llama_kvp_summarise_bin_type)
+    size_t                 row_k = 0; // bytes per K row, per V row
+    size_t                 row_v = 0;
     std::vector<llama_pos> done;   // positions summarised (telemetry)
     llama_pos              pos_max = -1; // the largest position pending or summarised (forget has nothing past it)
     std::vector<std::pair<int32_t, int32_t>> closing; // bins that closed in this step's eviction: (tokens, centroids),
@@ -364,10 +367,23 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
 // counts a layer's pending bin, as allocated, in the memory's host bytes (the fate stage's host memory, not in the
 // cache's bytes) and their peak: the change since it was last counted, so that every sequence's bins add up
 static void llama_kvp_summarise_count_host(llama_kvp_memory & mem, llama_kvp_summarise_state & S) {
-    const int64_t bytes = (int64_t) ((S.k.capacity() + S.v.capacity())*sizeof(ggml_fp16_t));
+    const int64_t bytes = (int64_t) (S.k.capacity() + S.v.capacity());
     mem.host_bytes     += bytes - S.host_bytes;
     mem.host_bytes_peak = std::max(mem.host_bytes_peak, mem.host_bytes);
     S.host_bytes        = bytes;
+}
+
+// the type of a bin's pending K/V rows: q8_0 (1.06 bytes a value, about half of f16; each value rounded to 1/254 of
+// its block's largest magnitude at most, far below the fit's own error on the window's queries, ~0.28) when every
+// head's keys and values are whole q8_0 blocks, so that a fit reads one head's part of a row alone; f16 otherwise
+static ggml_type llama_kvp_summarise_bin_type(int64_t d, int64_t dv) {
+    const int64_t qk = ggml_blck_size(GGML_TYPE_Q8_0);
+    return d > 0 && dv > 0 && d % qk == 0 && dv % qk == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+}
+
+// values [off, off + n) of a pending row of type t as f32 (off and n whole blocks of t)
+static void llama_kvp_summarise_row_get(const uint8_t * row, ggml_type t, int64_t off, int64_t n, float * out) {
+    ggml_get_type_traits(t)->to_float(row + ggml_row_size(t, off), out, n);
 }
 
 // the bin state of KV layer ikv if bins closed in it this step (nullptr if none)
@@ -575,10 +591,16 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         return "";
     }
 
-    std::string check_model(const llama_kvp_policy & p, int32_t n_embd_head) const override {
+    std::string check_model(const llama_kvp_policy & p, int32_t n_embd_head, uint32_t n_ctx_seq) const override {
+        char buf[160];
         if (p.rank > n_embd_head) {
-            char buf[128];
             snprintf(buf, sizeof(buf), "rank must be <= the head size %d (got %d)", n_embd_head, p.rank);
+            return buf;
+        }
+        if ((uint32_t) p.bin > n_ctx_seq && (p.rank < 2 || 2*(int64_t) p.bin > (int64_t) p.rank*n_ctx_seq)) {
+            // a layer's leavers are fewer than its positions: no bin fills, and no rest is worth two centroids
+            snprintf(buf, sizeof(buf), "bin=%d never fills in this context (n_ctx=%u), nor a rest of it worth two of its "
+                    "%d centroids (2*bin/rank tokens)", p.bin, n_ctx_seq, p.rank);
             return buf;
         }
         return "";
@@ -649,13 +671,21 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             llama_kvp_cells_read(vt, false, size, idx_in, v_rows.data());
         }
         std::vector<float> row_f(std::max(n_embd_k, n_embd_v));
+        if (S.type == GGML_TYPE_COUNT) {
+            const int32_t n_head_kv = mem.st ? mem.st->n_head_kv : 0;
+            S.type  = n_head_kv > 0 ? llama_kvp_summarise_bin_type(n_embd_k/n_head_kv, n_embd_v/n_head_kv) : GGML_TYPE_F16;
+            S.row_k = ggml_row_size(S.type, n_embd_k);
+            S.row_v = ggml_row_size(S.type, n_embd_v);
+        }
+        const ggml_from_float_t to_bin = ggml_get_type_traits(S.type)->from_float_ref;
         // room for a whole bin at once: the pending rows grow to `bin` (and past it by a prompt chunk's leavers) without
         // the doubling of one row at a time, which would hold up to twice the rows in host memory
         const size_t n_rows = S.pos.size() + idx_in.size();
-        if (S.k.capacity() < n_rows*n_embd_k) {
-            const size_t rows = std::max<size_t>(n_rows, (size_t) mem.policy.bin);
-            S.k.reserve(rows*n_embd_k);
-            S.v.reserve(rows*n_embd_v);
+        if (S.k.capacity() < n_rows*S.row_k) {
+            // no more than the layer's positions, whatever the bin (its rest is fitted where a prompt ends)
+            const size_t rows = std::max<size_t>(n_rows, std::min<size_t>(mem.policy.bin, mem.cparams.n_ctx_seq));
+            S.k.reserve(rows*S.row_k);
+            S.v.reserve(rows*S.row_v);
         }
         size_t i_in = 0;
         for (const auto & c : leaving) {
@@ -667,10 +697,10 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.pos.push_back(c.pos);
             S.pos_max = std::max(S.pos_max, c.pos);
             S.score.push_back(c.score);
-            S.k.resize((n0 + 1)*n_embd_k);
-            S.v.resize((n0 + 1)*n_embd_v);
+            S.k.resize((n0 + 1)*S.row_k);
+            S.v.resize((n0 + 1)*S.row_v);
             ggml_get_type_traits(kt->type)->to_float(k_rows.data() + i_in*ggml_row_size(kt->type, n_embd_k), row_f.data(), n_embd_k);
-            ggml_fp32_to_fp16_row(row_f.data(), S.k.data() + n0*n_embd_k, n_embd_k);
+            to_bin(row_f.data(), S.k.data() + n0*S.row_k, n_embd_k);
             if (!v_trans) {
                 ggml_get_type_traits(vt->type)->to_float(v_rows.data() + i_in*ggml_row_size(vt->type, n_embd_v), row_f.data(), n_embd_v);
             } else {
@@ -680,7 +710,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                     ggml_get_type_traits(vt->type)->to_float(x, row_f.data() + e, 1);
                 }
             }
-            ggml_fp32_to_fp16_row(row_f.data(), S.v.data() + n0*n_embd_v, n_embd_v);
+            to_bin(row_f.data(), S.v.data() + n0*S.row_v, n_embd_v);
             mem.cell_free(ikv, c.idx);
             i_in++;
         }
@@ -802,12 +832,10 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             for (const auto & c : S.closing) {
                 n += c.first;
             }
-            const size_t n_embd_k = S.pos.empty() ? 0 : S.k.size()/S.pos.size();
-            const size_t n_embd_v = S.pos.empty() ? 0 : S.v.size()/S.pos.size();
             S.pos.erase(S.pos.begin(), S.pos.begin() + n);
             S.score.erase(S.score.begin(), S.score.begin() + n);
-            S.k.erase(S.k.begin(), S.k.begin() + (size_t) n*n_embd_k);
-            S.v.erase(S.v.begin(), S.v.begin() + (size_t) n*n_embd_v);
+            S.k.erase(S.k.begin(), S.k.begin() + (size_t) n*S.row_k);
+            S.v.erase(S.v.begin(), S.v.begin() + (size_t) n*S.row_v);
             S.closing.clear();
             llama_kvp_summarise_count_host(mem, S);
         }
@@ -822,8 +850,6 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             if (S.pos_max < p0) {
                 continue; // a truncation past everything the bin holds (llama-cpp-python's eval does one per call)
             }
-            const int64_t n_embd_k = S.pos.empty() ? 0 : (int64_t) (S.k.size()/S.pos.size());
-            const int64_t n_embd_v = S.pos.empty() ? 0 : (int64_t) (S.v.size()/S.pos.size());
             size_t w = 0;
             for (size_t i = 0; i < S.pos.size(); ++i) {
                 if (S.pos[i] >= p0 && (p1 < 0 || S.pos[i] < p1)) {
@@ -832,15 +858,15 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                 if (w != i) {
                     S.pos[w]   = S.pos[i];
                     S.score[w] = S.score[i];
-                    std::copy_n(S.k.begin() + i*n_embd_k, n_embd_k, S.k.begin() + w*n_embd_k);
-                    std::copy_n(S.v.begin() + i*n_embd_v, n_embd_v, S.v.begin() + w*n_embd_v);
+                    std::copy_n(S.k.begin() + i*S.row_k, S.row_k, S.k.begin() + w*S.row_k);
+                    std::copy_n(S.v.begin() + i*S.row_v, S.row_v, S.v.begin() + w*S.row_v);
                 }
                 w++;
             }
             S.pos.resize(w);
             S.score.resize(w);
-            S.k.resize(w*n_embd_k);
-            S.v.resize(w*n_embd_v);
+            S.k.resize(w*S.row_k);
+            S.v.resize(w*S.row_v);
             if (p0 <= 0 && p1 < 0) {
                 S.done.clear();
                 S.k.shrink_to_fit(); // a cleared sequence gives its bin's host memory back
@@ -886,14 +912,14 @@ private:
         }
         // this head's keys and values of the bin, split into groups of similar keys and values (the fit's runs): rows
         // [k, w*s*v], s the ratio of the bin's mean key norm to its mean value norm, w = LLAMA_KVP_SUM_GROUP_V
-        const ggml_fp16_t * k0 = S.k.data() + (size_t) j.off*n_embd_k;
-        const ggml_fp16_t * v0 = S.v.data() + (size_t) j.off*n_embd_v;
+        const uint8_t * k0 = S.k.data() + (size_t) j.off*S.row_k;
+        const uint8_t * v0 = S.v.data() + (size_t) j.off*S.row_v;
         double nk = 0.0;
         double nv = 0.0;
         for (int32_t t = 0; t < n; ++t) {
             float * row = kall.data() + (size_t) t*dg;
-            ggml_fp16_to_fp32_row(k0 + (size_t) t*n_embd_k + (size_t) h*d,  row,     d);
-            ggml_fp16_to_fp32_row(v0 + (size_t) t*n_embd_v + (size_t) h*dv, row + d, dv);
+            llama_kvp_summarise_row_get(k0 + (size_t) t*S.row_k, S.type, (int64_t) h*d,  d,  row);
+            llama_kvp_summarise_row_get(v0 + (size_t) t*S.row_v, S.type, (int64_t) h*dv, dv, row + d);
             double a = 0.0;
             double b = 0.0;
             for (int32_t e = 0; e < d; ++e) {
@@ -916,7 +942,7 @@ private:
         llama_kvp_group_keys(kall.data(), dg, grp.data(), n, r0, 0, rank, scratch.data());
         for (int32_t t = 0; t < n; ++t) {
             std::copy_n(kall.data() + (size_t) grp[t]*dg, d, kh.data() + (size_t) t*d);
-            ggml_fp16_to_fp32_row(v0 + (size_t) grp[t]*n_embd_v + (size_t) h*dv, vh.data() + (size_t) t*dv, dv);
+            llama_kvp_summarise_row_get(v0 + (size_t) grp[t]*S.row_v, S.type, (int64_t) h*dv, dv, vh.data() + (size_t) t*dv);
         }
         std::vector<int32_t> cnt(rank);
         j.ok_h[h] = llama_kvp_summarise_fit(qh.data(), m, kh.data(), vh.data(), n, d, dv, j.scale, rank,
@@ -1017,7 +1043,7 @@ bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, 
     out.n_fallback    += S.n_fallback;
     out.n_tokens      += S.n_tokens;
     out.n_pending     += (int32_t) S.pos.size();
-    out.pending_bytes += (int64_t) ((S.k.size() + S.v.size())*sizeof(ggml_fp16_t));
+    out.pending_bytes += (int64_t) (S.k.size() + S.v.size());
     out.t_ms          += S.t_ms;
     sums.err  += S.err_sum;
     sums.lse  += S.lse_sum;
