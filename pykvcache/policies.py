@@ -12,6 +12,7 @@ the canonical string, which parses back to an equal policy.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, ClassVar, Dict, Tuple, Type
@@ -31,9 +32,9 @@ def _check_field_types(owner: str, obj: Any) -> None:
         kind = str(f.type)
         if value is None and "Optional" in kind:
             continue
-        if "int" in kind and (isinstance(value, bool) or not isinstance(value, int)):
+        if "int" in kind and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise PolicyError(f"{owner}: {f.name} must be an integer (got {value!r})")
-        if "float" in kind and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if "float" in kind and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise PolicyError(f"{owner}: {f.name} must be a number (got {value!r})")
         if "bool" in kind and value not in (True, False):
             raise PolicyError(f"{owner}: {f.name} must be True or False (got {value!r})")
@@ -42,8 +43,10 @@ def _check_field_types(owner: str, obj: Any) -> None:
 def _format_value(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else str(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):  # numpy's too
+        return repr(float(value)) if math.isfinite(value) else str(float(value))
     return str(value)
 
 

@@ -108,6 +108,7 @@ def test_every_stage_has_a_python_dataclass_and_a_help_line():
         ("h2o:budget=20+accumulated:n_recent=32", ["budget (20)", "always kept"]),
         ("snapkv+entropy:budget=nan", ["budget"]),
         ("none+prompt", ["schedule stage 'prompt'", "needs a score stage"]),
+        ("snapkv:budget=0.1,budget=0.2", ["key 'budget' given twice", "policy 'snapkv'"]),
     ],
 )
 def test_composition_errors_name_the_stage_or_key(spec, words):
@@ -117,6 +118,26 @@ def test_composition_errors_name_the_stage_or_key(spec, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, msg
+
+
+@pytest.mark.parametrize("spec, canonical", [
+    ("snapkv:budget=1000000", "budget=1000000"),
+    ("snapkv:budget=1e+6", "budget=1000000"),
+    ("freeze:tau=1e6", "tau=1000000"),
+    ("snapkv:budget=0.1234567", "budget=0.1234567"),
+    ("freeze:tau=2.5e-7", "tau=2.5e-07"),
+])
+def test_numbers_keep_their_value_through_the_canonical_string(spec, canonical):
+    """Large numbers, exponents and seven digits: the canonical string holds the value exactly and has no '+' but
+    between stages."""
+    pol = parse_policy(spec)
+    assert canonical in pol.spec().replace(":", ",").split(",") and "+" not in pol.spec()
+    assert parse_policy(pol.spec()) == pol
+
+
+def test_numpy_numbers_are_numbers():
+    assert SnapKV(budget=np.float32(0.1), window=np.int64(16)).spec() == SnapKV(budget=0.1, window=16).spec()
+    assert SnapKV(budget=np.float64(0.25)).spec() == SnapKV(budget=0.25).spec()
 
 
 def test_stage_values_are_typed_in_python():

@@ -4,6 +4,8 @@
 #include "llama-kvp-impl.h"
 #include "llama-kvp-preset.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstddef>
 #include <cmath>
@@ -110,7 +112,26 @@ static std::string llama_kvp_key_str(const llama_kvp_key_info & k, const llama_k
     const char * field = (const char *) &p + k.offset;
     char tmp[64];
     if (k.is_float) {
-        snprintf(tmp, sizeof(tmp), "%s=%g", k.name, (double) *(const float *) field);
+        // a whole number as such (a budget in tokens), else the shortest form that parses back to the same float,
+        // its exponent without '+' (which separates stages)
+        const float x = *(const float *) field;
+        char num[48];
+        if (x == std::floor(x) && std::fabs(x) < 1e9f) {
+            snprintf(num, sizeof(num), "%.0f", (double) x);
+        } else {
+            for (int prec = 6; prec <= 9; ++prec) {
+                snprintf(num, sizeof(num), "%.*g", prec, (double) x);
+                if (strtof(num, nullptr) == x) {
+                    break;
+                }
+            }
+        }
+        std::string s = num;
+        const size_t e = s.find("e+");
+        if (e != std::string::npos) {
+            s.erase(e + 1, 1);
+        }
+        snprintf(tmp, sizeof(tmp), "%s=%s", k.name, s.c_str());
     } else {
         snprintf(tmp, sizeof(tmp), "%s=%d", k.name, *(const int32_t *) field);
     }
@@ -239,7 +260,10 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
         return name + ": the schedule stage '" + schedule->name + "' needs a score stage that observes (window, accumulated)";
     }
 
-    // each stage checks the keys it reads
+    // each stage checks the keys it reads; the error names a stage the preset does not have itself
+    llama_kvp_policy own = llama_kvp_policy_base();
+    own.type = p.type;
+    preset->make(own);
     static const int32_t order[] = { LLAMA_KVP_SLOT_SCORE, LLAMA_KVP_SLOT_BUDGET, LLAMA_KVP_SLOT_SCHEDULE, LLAMA_KVP_SLOT_PREFILL, LLAMA_KVP_SLOT_FATE };
     for (int32_t slot : order) {
         const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
@@ -248,7 +272,7 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
         }
         const std::string err = s->check(p);
         if (!err.empty()) {
-            return name + ": " + err;
+            return own.stage[slot] == p.stage[slot] ? name + ": " + err : name + ", stage '" + s->name + "': " + err;
         }
     }
 
@@ -320,6 +344,7 @@ static bool llama_kvp_parse_float(const std::string & v, float & out) {
 
 // applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors
 static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p) {
+    std::vector<std::string> seen;
     size_t start = 0;
     while (start <= items.size()) {
         size_t comma = items.find(',', start);
@@ -340,6 +365,11 @@ static bool llama_kvp_apply_keys(const std::string & items, const char * accepte
             llama_kvp_set_error("unknown key '" + key + "' for " + what + " (accepted: " + (*accepted ? accepted : "none") + ")");
             return false;
         }
+        if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+            llama_kvp_set_error("key '" + key + "' given twice for " + what);
+            return false;
+        }
+        seen.push_back(key);
         char * field = (char *) &p + kinfo->offset;
         const bool val_ok = kinfo->is_float ? llama_kvp_parse_float(val, *(float *) field) : llama_kvp_parse_int(val, *(int32_t *) field);
         if (eq == std::string::npos || !val_ok) {
@@ -388,14 +418,16 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
     }
     const std::string s = spec;
 
+    // stages are separated by '+', except the sign of a number's exponent ("budget=1e+6")
     std::vector<std::string> parts;
-    for (size_t start = 0; start <= s.size(); ) {
-        size_t plus = s.find('+', start);
-        if (plus == std::string::npos) {
-            plus = s.size();
+    size_t start = 0;
+    for (size_t i = 0; i <= s.size(); ++i) {
+        if (i < s.size() && (s[i] != '+' || (i >= 2 && (s[i - 1] == 'e' || s[i - 1] == 'E') &&
+                (isdigit((unsigned char) s[i - 2]) || s[i - 2] == '.') && i + 1 < s.size() && isdigit((unsigned char) s[i + 1])))) {
+            continue;
         }
-        parts.push_back(s.substr(start, plus - start));
-        start = plus + 1;
+        parts.push_back(s.substr(start, i - start));
+        start = i + 1;
     }
 
     llama_kvp_policy p = llama_kvp_policy_base();
