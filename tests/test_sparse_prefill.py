@@ -113,6 +113,26 @@ def test_composes_with_a_retention_policy(model_path, prompt):
     llm.close()
 
 
+def test_a_repeated_prompt_gives_the_same_logits_with_a_retention_policy(model_path, prompt):
+    """Guided chunks evict between ubatches, so the cells a prompt lands in depend on what the cache held before;
+    the block-sparse pooling groups cells by index: a cleared cache must be a fresh one (it was not: logits moved by
+    up to 2 between two evaluations of one prompt)."""
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="snapkv:budget=64+sparse:threshold=0,base=32")
+    toks = list(prompt[:400])
+    logits = []
+    for _ in range(2):
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # what a new prompt under kv_reuse=exact does when nothing can be kept
+        llm.eval(toks)
+        logits.append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
+    fresh = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="snapkv:budget=64+sparse:threshold=0,base=32")
+    fresh.eval(toks)
+    assert np.array_equal(logits[0], logits[1])
+    assert np.array_equal(logits[1], np.ctypeslib.as_array(fresh._ctx.get_logits(), shape=(fresh.n_vocab(),)))
+    llm.close()
+    fresh.close()
+
+
 def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
     llm, logits = last_logits(model_path, prompt, SPARSE, flash_attn=False)
     assert (llm.kv_sparse().n_ubatch == 0).all()

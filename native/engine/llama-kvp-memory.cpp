@@ -930,7 +930,14 @@ bool llama_kvp_memory::seq_rm_cur(llama_pos p0, llama_pos p1) {
         if (st) {
             llama_kvp_obs_layer_forget(st, (int32_t) i, p0, p1); // a later token in the same cell starts unscored
         }
-        res = layers[i].kv->seq_rm(-1, p0, p1) && res; // the current sequence's caches hold only its tokens
+        if (p0 <= 0 && p1 < 0) {
+            // the current sequence's caches hold only its tokens: emptied as a fresh context's (cells from the
+            // first, K/V zeroed), so that a prompt repeated gives the same result: block-sparse prefill pools the
+            // keys of blocks of cells by index, empty cells included
+            layers[i].kv->clear(true);
+        } else {
+            res = layers[i].kv->seq_rm(-1, p0, p1) && res;
+        }
         auto & bias = layers[i].bias;
         for (auto it = bias.lower_bound(std::max<llama_pos>(p0, 0)); it != bias.end() && (p1 < 0 || it->first < p1); ) {
             it = bias.erase(it);
