@@ -176,8 +176,10 @@ std::string llama_kvp_check_chunk(const llama_kvp_policy & p) {
     return "";
 }
 
+// the prompt's end runs behind a chunk where a ubatch holds it and a chunk at least as long: a smaller ubatch would
+// cut the prompt into chunks of a few tokens (n_ubatch = window + 1: one token each, 10x the time) and stays unguided
 uint32_t llama_kvp_prefill_n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) {
-    return p.guide && p.window > 0 && n_ubatch > (uint32_t) p.window ? (uint32_t) p.window : 0;
+    return p.guide && p.window > 0 && n_ubatch >= 2*(uint32_t) p.window ? (uint32_t) p.window : 0;
 }
 
 std::string llama_kvp_check_observed_score(const llama_kvp_policy & p) {
