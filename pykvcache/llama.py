@@ -11,6 +11,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .batch import context_params_with, generate_batch
+from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats,
@@ -57,6 +58,7 @@ class Llama(llama_cpp.Llama):
 
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise ValueError(f"n_seq_max must be an integer >= 1, not {n_seq_max!r}")
+        check_sizes(kwargs)
         if kv_reuse not in ("exact", "continue"):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
@@ -93,6 +95,49 @@ class Llama(llama_cpp.Llama):
         if "_stack" in self.__dict__:
             super().close()
 
+    def _check_open(self) -> None:
+        # llama_cpp.Llama hands a closed context's NULL pointers to llama.cpp, which crashes the process
+        if self._ctx.ctx is None or self._model.model is None:
+            raise ValueError("this Llama is closed: create a new one")
+
+    def create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        """Complete a prompt (llama_cpp.Llama.create_completion); an invalid grammar is an error, not a crash."""
+        self._check_open()
+        check_grammar(self, kwargs.get("grammar"))
+        return super().create_completion(prompt, *args, **kwargs)
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        """Answer chat messages (llama_cpp.Llama.create_chat_completion); an invalid grammar is an error."""
+        self._check_open()
+        check_grammar(self, kwargs.get("grammar"))
+        return super().create_chat_completion(*args, **kwargs)
+
+    def create_embedding(self, *args: Any, **kwargs: Any) -> Any:
+        """Embed text (llama_cpp.Llama.create_embedding)."""
+        self._check_open()
+        return super().create_embedding(*args, **kwargs)
+
+    def tokenize(self, *args: Any, **kwargs: Any) -> List[int]:
+        """Tokenize text (llama_cpp.Llama.tokenize)."""
+        self._check_open()
+        return super().tokenize(*args, **kwargs)
+
+    def detokenize(self, tokens: List[int], *args: Any, **kwargs: Any) -> bytes:
+        """Detokenize token ids (llama_cpp.Llama.detokenize); an id outside the vocabulary is an error."""
+        self._check_open()
+        check_token_ids(tokens, self.n_vocab())
+        return super().detokenize(tokens, *args, **kwargs)
+
+    def save_state(self) -> Any:
+        """The context's state, KV policy state included (llama_cpp.Llama.save_state)."""
+        self._check_open()
+        return super().save_state()
+
+    def load_state(self, state: Any) -> None:
+        """Restore a state from `save_state` (llama_cpp.Llama.load_state)."""
+        self._check_open()
+        super().load_state(state)
+
     @property
     def kv_policy(self) -> Optional[Policy]:
         """The policy running this context's KV cache (None: llama.cpp's own cache)."""
@@ -127,6 +172,8 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
+        self._check_open()
+        check_token_ids(tokens, self._n_vocab)
         pol = self._kv_policy
         n_in = len(tokens)
         if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:
@@ -185,6 +232,10 @@ class Llama(llama_cpp.Llama):
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
         """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact;
         with the freeze schedule's recovery ladder (z > 0) each token's distribution is watched (see recovery.py)."""
+        self._check_open()
+        if len(tokens) == 0 and (kwargs.get("reset", True) or self.n_tokens == 0):
+            raise ValueError("the prompt has no tokens: give at least one (this model adds no BOS token to an empty "
+                             "prompt)")
         pol = self._kv_policy
         if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
                 and self.n_tokens > 0):
@@ -417,7 +468,7 @@ class Llama(llama_cpp.Llama):
                                      ffi.cast("int32_t *", ffi.from_buffer(pos)), n, ffi.NULL, ffi.NULL) != n:
             raise RuntimeError(last_error())
         order = np.argsort(pos, kind="stable")
-        return pos[order], q[order].reshape(n, n_head, -1), float(scale[0])
+        return pos[order], q[order].reshape(n, n_head, int(row[0]) // n_head), float(scale[0])
 
     def kv_query_entropy(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
         """Per token held by KV layer `layer`: positions [n] (ascending) and the entropy of its head-mean attention

@@ -104,3 +104,36 @@ def test_llama_cpp_imported_from_another_library_first(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "ERR llama_cpp was imported before pykvcache" in out.stdout
     assert str(other) in out.stdout
+
+
+def test_input_llama_cpp_would_crash_on_is_a_clear_error(model_path):
+    """Each of these crashed the process (segfault, abort) or failed deep inside llama_cpp."""
+    import llama_cpp
+
+    for kwargs, says in [({"n_batch": -1}, "n_batch must be an integer >= 1"), ({"n_ctx": -5}, "n_ctx must be"),
+                         ({"n_ubatch": 0}, "n_ubatch must be")]:
+        with pytest.raises(ValueError, match=says):
+            Llama(model_path, verbose=False, **kwargs)
+    llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")
+    with pytest.raises(ValueError, match="token id 99999999 is outside the vocabulary"):
+        llm.detokenize([99999999])
+    with pytest.raises(ValueError, match="token id 10000000 is outside the vocabulary"):
+        llm.create_completion([5, 10**7], max_tokens=2)
+    with pytest.raises(ValueError, match="does not parse as GBNF"):
+        llm("x", max_tokens=2, grammar=llama_cpp.LlamaGrammar.from_string("this is not gbnf"))
+    with pytest.raises(ValueError, match="the prompt has no tokens"):
+        llm("", max_tokens=2)
+    assert llm("x", max_tokens=3, grammar=llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"'),
+               temperature=0)["choices"][0]["text"] in ("yes", "no")
+    pos, q, _ = Llama(model_path, n_ctx=256, verbose=False, kv_policy="observe").kv_queries(0)  # nothing observed yet
+    assert pos.shape == (0,) and q.shape[0] == 0
+    llm.close()
+    with pytest.raises(ValueError, match="this Llama is closed"):
+        llm("hello", max_tokens=2)
+    with pytest.raises(ValueError, match="this Llama is closed"):
+        llm.tokenize(b"hello")
+
+
+def test_a_summarise_bin_larger_than_the_context_is_refused(model_path):
+    with pytest.raises(PolicyError, match=r"bin=100000000 never fills in this context \(n_ctx=512\)"):
+        Llama(model_path, n_ctx=512, verbose=False, kv_policy="snapkv:budget=40+summarise:bin=100000000,rank=4")
