@@ -29,6 +29,7 @@ try:
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from pydantic import Field, ValidationError, field_validator
+    from .server_errors import JSONBodyGuard, install_error_mapping
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError(f"pykvcache serve needs the server extra: pip install 'pykvcache[server]' ({exc})") from exc
 
@@ -38,9 +39,10 @@ class KVModelSettings(ModelSettings):
 
     model: str = Field(default_factory=default_model_path, description="Path to the GGUF model (default: the "
                        "embedded SmolLM2-135M-Instruct Q4_1).")
-    kv_policy: Optional[str] = Field(default=None, description="KV-cache policy spec, e.g. 'entropy:budget=0.1' or "
-                                     "'snapkv:budget=512+entropy' (default: llama.cpp's own cache); `pykvcache "
-                                     "policies` lists them.")
+    kv_policy: Optional[str] = Field(default=None, description="KV-cache policy spec, e.g. 'entropy:budget=512' or "
+                                     "'snapkv:budget=512+entropy' (default: llama.cpp's own cache; also "
+                                     "--kv-policy); `pykvcache policies` lists them. A budget in tokens keeps every "
+                                     "request's cache the same size; a fraction is of each request's prompt.")
 
     kv_reuse: Literal["exact", "continue"] = Field(default="exact", description="What a new request keeps of a "
                                                    "cache the policy pruned: 'exact' (the result of a fresh evaluation; "
@@ -48,8 +50,10 @@ class KVModelSettings(ModelSettings):
                                                    "it; cheaper for long chats).")
 
     n_parallel: int = Field(default=1, ge=1, le=64, description="Requests served at once, each in a sequence of its "
-                            "own with n_ctx/n_parallel positions (and, with a policy, caches and budgets of its own); "
-                            "llama-server's --parallel. 1: one request at a time, as llama-cpp-python's server.")
+                            "own with n_ctx/n_parallel positions, rounded up to a multiple of 256 by llama.cpp (and, "
+                            "with a policy, caches and budgets of its own); llama-server's --parallel. 1: one request "
+                            "at a time, as llama-cpp-python's server (a new request cuts a running stream short "
+                            "unless --interrupt_requests false).")
 
     @field_validator("kv_policy")
     @classmethod
@@ -245,7 +249,9 @@ def create_app(server_settings: ServerSettings, model_settings: List[KVModelSett
     if n_parallel > 1 and len(model_settings) > 1:
         raise ValueError("n_parallel > 1 serves one model: give the config file one model, or n_parallel 1")
     server_app.LlamaProxy = KVLlamaProxy
+    install_error_mapping()
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    app.add_middleware(JSONBodyGuard)
     if n_parallel > 1:
         use_view_pool(app, n_parallel)
     add_kv_routes(app)
@@ -279,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "policy, plus GET /v1/kv/stats. Flags as `python -m llama_cpp.server`.",
     )
     add_args_from_model(parser, KVSettings)
-    parser.add_argument("--kv-policy", dest="kv_policy", type=str, help="same as --kv_policy")
+    for action in parser._actions:
+        if action.dest == "model" and action.help:
+            action.help = action.help.replace(" (default: PydanticUndefined)", "")  # a default_factory's placeholder
+    parser.add_argument("--kv-policy", dest="kv_policy", type=str, help=argparse.SUPPRESS)
     parser.add_argument("--config_file", type=str, help="a llama-cpp-python server config file (JSON or YAML); "
                         "each model may have a kv_policy key")
     return parser

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -118,6 +119,52 @@ def test_server_survives_a_client_that_disconnects(client, server):
     assert out.choices[0].text
 
 
+def post(url, body, path="/v1/completions"):
+    """POST raw bytes; returns (status, parsed JSON body)."""
+    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    (json.dumps({"prompt": "Hi", "max_tokens": "four"}).encode(), "max_tokens: "),
+    (json.dumps({"prompt": "Hi", "max_tokens": 2, "top_p": 5}).encode(), "top_p: "),
+    (json.dumps({"prompt": "Hi", "max_tokens": 2, "grammar": "this is not gbnf"}).encode(), "grammar"),
+    (json.dumps({"prompt": "", "max_tokens": 2}).encode(), "the prompt has no tokens"),
+])
+def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body, says):
+    """Malformed JSON, invalid fields, a grammar llama.cpp cannot parse (which crashed llama-cpp-python's server) and
+    an empty prompt: each an OpenAI-style 400 naming the problem; the next request is answered."""
+    status, res = post(server, body)
+    assert status == 400 and res["error"]["type"] == "invalid_request_error" and says in res["error"]["message"]
+    status, res = post(server, json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode())
+    assert status == 200 and res["choices"][0]["text"]
+
+
+def test_detokenize_outside_the_vocabulary_is_an_error(server):
+    status, res = post(server, json.dumps({"tokens": [99999999]}).encode(), "/extras/detokenize")
+    assert status == 400 and "outside the vocabulary" in res["error"]["message"]
+    status, res = post(server, json.dumps({"tokens": [504, 3575]}).encode(), "/extras/detokenize")
+    assert status == 200 and res["text"]
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(server):
+    """An error once the stream has begun (the headers are sent) is the stream's last event, before [DONE]."""
+    body = json.dumps({"prompt": "word " * 3000, "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(server + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [line[len(b"data: "):].strip() for line in resp.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "invalid_request_error" and "exceed context window" in err["message"]
+
+
 def test_bad_policy_stops_the_server_with_one_line(tmp_path):
     res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--kv-policy", "snapkv:budgt=3"], cwd="/",
                          capture_output=True, text=True, timeout=120)
@@ -223,7 +270,7 @@ def test_parallel_server_survives_disconnects_and_bad_requests(parallel_server):
         with urllib.request.urlopen(req, timeout=60) as resp:
             resp.readline()
     c = openai.OpenAI(base_url=parallel_server + "/v1", api_key="unused", max_retries=0, timeout=120)
-    with pytest.raises(openai.BadRequestError, match="context length"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
         c.completions.create(model="m", prompt="word " * 600, max_tokens=8)  # > n_ctx/n_parallel = 512
     assert c.completions.create(model="m", prompt="The capital of France is", max_tokens=4).choices[0].text
 
@@ -236,3 +283,11 @@ def test_parallel_with_several_models_is_refused(tmp_path, model_path):
     res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(path)], cwd="/",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "n_parallel > 1 serves one model" in res.stderr
+
+
+def test_serve_help_reads_clean():
+    from pykvcache.server import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "PydanticUndefined" not in text and text.count("kv-policy") == 1  # --kv-policy: --kv_policy's alias
+    assert "embedded SmolLM2" in text and "multiple of 256" in text

@@ -1,0 +1,161 @@
+"""Errors of `pykvcache serve` as a client expects them: a bad request gets an OpenAI-style error with status 400,
+never a 500, a bare-text answer, a stream that ends in silence, or a crash of the server.
+
+llama-cpp-python's server (which `pykvcache serve` runs) answers a body that is not JSON with a plain-text 500 (its
+error handler reads the body again outside its own try), every field that fails validation with a 500 holding
+pydantic's dump, and an error raised once a stream has started with an empty 200 stream. Here: a guard in front of
+the app checks the JSON body, the route's error mapping gives 400 to validation and `ValueError`s, and a stream's
+error becomes an `{"error": ...}` event before `[DONE]`, as OpenAI's API sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any, Awaitable, Callable, Dict, Iterator, Optional, Tuple
+
+from fastapi.exceptions import RequestValidationError
+import llama_cpp.server.app as server_app
+from llama_cpp.server.errors import RouteErrorHandler
+
+# the routes whose body is a JSON object (llama-cpp-python's server)
+JSON_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/engines/copilot-codex/completions",
+    "/extras/tokenize",
+    "/extras/tokenize/count",
+    "/extras/detokenize",
+)
+
+
+def error_body(message: str, param: Optional[str] = None, code: Optional[str] = None,
+               kind: str = "invalid_request_error") -> Dict[str, Any]:
+    """An OpenAI-style error object."""
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
+def body_problem(body: bytes) -> Optional[str]:
+    """What is wrong with a request body that should be a JSON object (None: nothing)."""
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        return "the request body is nested too deeply"
+    except ValueError as exc:
+        return f"the request body is not valid JSON: {exc}"
+    if not isinstance(obj, dict):
+        return f"the request body must be a JSON object, not {type(obj).__name__}"
+    return None
+
+
+class JSONBodyGuard:
+    """ASGI middleware: a POST to a JSON route whose body is not a JSON object gets a 400 error object."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Callable[[], Awaitable[Dict[str, Any]]],
+                       send: Callable[[Dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in JSON_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        problem = body_problem(body)
+        if problem is not None:
+            payload = json.dumps({"error": error_body(problem)}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        replayed = False
+
+        async def replay() -> Dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect, which a stream watches for
+
+        await self.app(scope, replay, send)
+
+
+def validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]]:
+    """One line per invalid field ("max_tokens: Input should be a valid integer"), and the first field's name."""
+    lines, first = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        first = first or (loc[0] if loc else None)
+        lines.append(f"{where}: {err.get('msg', '')}" if where else str(err.get("msg", "")))
+    return "; ".join(lines) or "invalid request", first
+
+
+def _maps_to_400(route: RouteErrorHandler, error: Exception) -> bool:
+    # a ValueError is the caller's (a bad argument); one that llama-cpp-python formats itself keeps its own answer
+    return isinstance(error, ValueError) and not any(p.search(str(error)) for p in route.pattern_and_formatters)
+
+
+def install_error_mapping() -> None:
+    """Make llama-cpp-python's route errors answer 400 for invalid fields and bad arguments (idempotent)."""
+    original = RouteErrorHandler.error_message_wrapper
+    if getattr(original, "_pykvcache", False):
+        return
+
+    def error_message_wrapper(self: RouteErrorHandler, error: Exception, body: Any = None) -> Tuple[int, Any]:
+        if isinstance(error, RequestValidationError):
+            message, param = validation_message(error)
+            return 400, error_body(message, param=param)
+        if _maps_to_400(self, error):
+            return 400, error_body(str(error))
+        return original(self, error, body)
+
+    error_message_wrapper._pykvcache = True  # type: ignore[attr-defined]
+    RouteErrorHandler.error_message_wrapper = error_message_wrapper  # type: ignore[method-assign]
+
+    publisher = server_app.get_event_publisher
+
+    async def get_event_publisher(**kwargs: Any) -> None:
+        kwargs["llama_call"] = errors_as_events(kwargs["llama_call"])
+        await publisher(**kwargs)
+
+    server_app.get_event_publisher = get_event_publisher
+
+
+def stream_error(exc: Exception) -> Dict[str, Any]:
+    """The event that ends a stream whose generation raised."""
+    if isinstance(exc, ValueError):
+        return {"error": error_body(str(exc))}
+    print(f"Exception: {exc}", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    return {"error": error_body(str(exc) or type(exc).__name__, kind="server_error")}
+
+
+def errors_as_events(call: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """A streaming call whose error, at its start or later, is yielded as an error event instead of raised."""
+
+    def run(llama: Any, **kwargs: Any) -> Iterator[Any]:
+        try:
+            chunks = call(llama, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported to the client as the stream's last event
+            return iter([stream_error(exc)])
+
+        def events() -> Iterator[Any]:
+            try:
+                yield from chunks
+            except Exception as exc:  # noqa: BLE001
+                yield stream_error(exc)
+
+        return events()
+
+    return run
