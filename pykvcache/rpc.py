@@ -74,8 +74,33 @@ def add_servers(servers: str) -> List[str]:
     return endpoints
 
 
+def listen_address(host: str, port: int) -> str:
+    """The numeric address ggml-rpc listens on for host (a name is resolved), checked free to bind on port."""
+    if not 1 <= port <= 65535:
+        raise RPCError(f"port must be in 1..65535 (got {port})")
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        raise RPCError(f"cannot resolve host '{host}' ({exc.strerror or exc})") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as exc:
+            raise RPCError(f"cannot listen on {ip}:{port} ({exc.strerror or exc})") from None
+    return ip
+
+
 def serve(host: str, port: int, threads: int, cache_dir: Optional[str] = None) -> None:
     """Serve this machine's device (GPU if the build has one, else CPU) to RPC clients until killed."""
+    if threads < 1:
+        raise RPCError(f"threads must be >= 1 (got {threads})")
+    host = listen_address(host, port)
+    if cache_dir:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as exc:
+            raise RPCError(f"cannot use the cache folder {cache_dir} ({exc.strerror or exc})") from None
     _, ggml, rpc = _libs()
     dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) or ggml.ggml_backend_dev_by_type(
         GGML_BACKEND_DEVICE_TYPE_CPU)
@@ -91,11 +116,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     """`pykvcache rpc-server`: serve this machine's device to pykvcache clients."""
     ap = argparse.ArgumentParser(prog="pykvcache rpc-server", description=__doc__.splitlines()[0] + " Serves this "
                                  "machine's GPU (or CPU) to clients that pass rpc_servers=host:port.")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; the protocol is "
-                    "unauthenticated, expose it on trusted networks only)")
+    ap.add_argument("--host", default="127.0.0.1", help="address or host name to listen on (default: 127.0.0.1; the "
+                    "protocol is unauthenticated, expose it on trusted networks only)")
     ap.add_argument("-p", "--port", type=int, default=50052, help="port (default: 50052)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
-    ap.add_argument("-c", "--cache", default=None, help="folder caching tensors sent by clients (default: none)")
+    ap.add_argument("-c", "--cache", default=None, help="folder caching tensors sent by clients, created if missing "
+                    "(default: none)")
     args = ap.parse_args(argv)
     try:
         serve(args.host, args.port, args.threads, args.cache)

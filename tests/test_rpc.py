@@ -79,6 +79,27 @@ def test_unreachable_server_is_named(model_path):
         Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{port}", n_gpu_layers=-1)
 
 
+@pytest.mark.parametrize("args, says", [
+    (["-p", "-1"], "port must be in 1..65535"),
+    (["-t", "0"], "threads must be >= 1"),
+    (["--host", "nosuchhost.invalid"], "cannot resolve host"),
+])
+def test_rpc_server_bad_options_stop_with_one_line(args, says):
+    res = subprocess.run([sys.executable, "-m", "pykvcache.rpc", *args], cwd="/", capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr
+
+
+def test_rpc_server_on_a_port_in_use_says_so():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "pykvcache.rpc", "-p", str(port)], cwd="/", capture_output=True,
+                             text=True, timeout=60)
+    assert res.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in res.stderr and "in use" in res.stderr
+
+
 SCHED = """
 import sys
 from pykvcache import Llama
