@@ -174,6 +174,9 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.reps = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
             params.n_threads = kvp_tool_parse_int(arg, value(), 1);
+            if (params.n_threads > GGML_MAX_N_THREADS) {
+                throw std::invalid_argument(arg + ": at most " + std::to_string(GGML_MAX_N_THREADS) + " threads (got " + std::to_string(params.n_threads) + ")");
+            }
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-c" || arg == "--ctx-size") {
@@ -560,6 +563,17 @@ static std::string kvbench_json_list(const std::vector<T> & v) {
     return os.str();
 }
 
+// a figure of a test that ran (samples), else `none` ("-" in tables, null in JSON, empty in CSV): -p 0 or -n 0
+// measure no prefill or no decode, which is not 0 t/s
+static std::string kvbench_fig(const std::vector<double> & samples, double v, const char * fmt, const char * none) {
+    if (samples.empty()) {
+        return none;
+    }
+    char buf[64];
+    snprintf(buf, sizeof(buf), fmt, v);
+    return buf;
+}
+
 static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     double pp, pp_sd, tg, tg_sd;
     kvbench_mean_sd(r.pp_ts, pp, pp_sd);
@@ -567,14 +581,17 @@ static void kvbench_print_json_row(const kvbench_result & r, bool last) {
     printf("    {\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d,\n",
             kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
             r.n_prompt, r.n_gen, r.n_depth);
-    printf("     \"pp_ts\": %.3f, \"pp_ts_sd\": %.3f, \"pp_samples\": %s, \"tg_ts\": %.3f, \"tg_ts_sd\": %.3f, \"tg_samples\": %s,\n",
-            pp, pp_sd, kvbench_json_list(r.pp_ts).c_str(), tg, tg_sd, kvbench_json_list(r.tg_ts).c_str());
+    printf("     \"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,\n",
+            kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
+            kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
+            kvbench_fig(r.tg_ts, tg_sd, "%.3f", "null").c_str(), kvbench_json_list(r.tg_ts).c_str());
     printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
             r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
     printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,\n",
             r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused);
-    printf("     \"pp_ratio\": %.4f, \"tg_ratio\": %.4f, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
-            r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio);
+    printf("     \"pp_ratio\": %s, \"tg_ratio\": %s, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
+            kvbench_fig(r.pp_ts, r.pp_ratio, "%.4f", "null").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.4f", "null").c_str(),
+            r.kv_ratio, r.peak_ratio);
     printf("     \"n_recover\": [%d, %d, %d, %d],\n", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
     printf("     \"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
            " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",\n",
@@ -609,10 +626,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%.4f,%.4f,%.4f,%.4f,%d,%.3f,%.4f,%.4f,"
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%.4f,%.4f,%d,%.3f,%.4f,%.4f,"
                    "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 "\n",
-                    r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
-                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead, r.pp_ratio, r.tg_ratio, r.kv_ratio, r.peak_ratio,
+                    r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
+                    kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
+                    kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
+                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead,
+                    kvbench_fig(r.pp_ts, r.pp_ratio, "%.4f", "").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.4f", "").c_str(),
+                    r.kv_ratio, r.peak_ratio,
                     r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio, r.density,
                     r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
         }
@@ -628,9 +649,13 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         if (r.tg_limit_ratio > 0.0) {
             snprintf(x_limit, sizeof(x_limit), "%.2f", r.tg_limit_ratio);
         }
-        printf("| %s | %d | %d | %d | %.1f ± %.1f | %.1f ± %.1f | %.2f | %.2f | %.3f | %.3f | %.2f | %.2f | %s | %.1f%% | %.2f |\n",
-                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp, pp_sd, tg, tg_sd,
-                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio, r.pp_ratio, r.tg_ratio, x_limit, 100.0*r.obs_overhead, r.density);
+        const std::string pp_s = kvbench_fig(r.pp_ts, pp, "%.1f", "-") + (r.pp_ts.empty() ? "" : kvbench_fig(r.pp_ts, pp_sd, " ± %.1f", ""));
+        const std::string tg_s = kvbench_fig(r.tg_ts, tg, "%.1f", "-") + (r.tg_ts.empty() ? "" : kvbench_fig(r.tg_ts, tg_sd, " ± %.1f", ""));
+        printf("| %s | %d | %d | %d | %s | %s | %.2f | %.2f | %.3f | %.3f | %s | %s | %s | %.1f%% | %.2f |\n",
+                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp_s.c_str(), tg_s.c_str(),
+                r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio,
+                kvbench_fig(r.pp_ts, r.pp_ratio, "%.2f", "-").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.2f", "-").c_str(),
+                x_limit, 100.0*r.obs_overhead, r.density);
     }
     // the references of `x limit`: the full cache decoding at depth B, nothing timed but the decode steps
     for (const auto & l : limits) {

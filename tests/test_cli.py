@@ -7,6 +7,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 PROMPT = "The capital of France is"
 
 # the console script installed next to this interpreter, run outside the source tree
@@ -104,3 +106,30 @@ def test_demo_compares_a_policy_with_the_full_cache(tmp_path):
 def test_serve_help_names_the_policy_flag():
     out = run("serve", "--help")
     assert out.returncode == 0 and "--kv-policy" in out.stdout and "--n_ctx" in out.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["generate", "-p", "hi", "-b", "-3"], "-b/--batch-size must be >= 1"),       # segfaulted in llama_batch_init
+    (["generate", "-p", "hi", "-t", "99999"], "-t/--threads must be in 1..512"),  # segfaulted in OpenMP
+    (["generate", "-p", ""], "the prompt is empty"),                             # an AssertionError traceback
+    (["generate", "-f", "/nonexistent/prompt.txt"], "-f/--file /nonexistent/prompt.txt"),  # was taken for -fa
+    (["generate", "-p", "hi", "--plot", "noext"], "needs one of the suffixes"),  # wrote noext.png
+    (["generate", "-p", "hi", "--plot", "x.png"], "need an observing policy"),    # after generating
+    (["generate", "-p", "hi", "--temp", "nan"], "--temp must be a number >= 0"),
+    (["telemetry", "-p", "hi", "--policy", "none"], "needs an observing policy"),
+    (["eval", "--budgets", ""], "no budget to evaluate"),
+    (["eval", "--policies", "snapkv:budget=0.5"], "sets its own budget"),        # silently replaced the sweep
+    (["bench", "-t", "99999"], "at most 512 threads"),                           # segfaulted
+    (["bench", "-p"], "-p: missing value"),                                      # took the model path as its value
+])
+def test_bad_arguments_stop_at_once_with_one_line(args, says, tmp_path):
+    out = run(*args, cwd=tmp_path)
+    assert out.returncode in (1, 2) and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_generate_counts_the_tokens_it_generated(tmp_path):
+    out = run("generate", "-p", PROMPT, "-n", "8", "-c", "256", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "| 8 tokens in " in out.stderr, out.stderr

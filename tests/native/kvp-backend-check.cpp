@@ -107,12 +107,18 @@ static int check_parse_args(int argc, char ** argv, check_params & params) {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
             params.n_threads = kvp_tool_parse_int(arg, value(), 1);
+            if (params.n_threads > GGML_MAX_N_THREADS) {
+                throw std::invalid_argument(arg + ": at most " + std::to_string(GGML_MAX_N_THREADS) + " threads (got " + std::to_string(params.n_threads) + ")");
+            }
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "--max-kl") {
             params.max_kl = check_parse_double(arg, value());
         } else if (arg == "--min-jaccard") {
             params.min_jaccard = check_parse_double(arg, value());
+            if (params.min_jaccard > 1.0) {
+                throw std::invalid_argument(arg + ": a Jaccard index is at most 1 (got " + std::to_string(params.min_jaccard) + ")");
+            }
         } else if (arg == "--perturb") {
             params.perturb = true;
         } else {
@@ -312,6 +318,9 @@ int main(int argc, char ** argv) {
         }
     }
     const bool gpu = !gpu_name.empty();
+    if (!gpu) {
+        fprintf(stderr, "kvp-backend-check: no GPU device: both sides run on the CPU (the check of the checker)\n");
+    }
     llama_model_params mp_cpu = llama_model_default_params();
     mp_cpu.n_gpu_layers = 0;
     llama_model_params mp_gpu = llama_model_default_params();
