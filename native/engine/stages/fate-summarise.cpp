@@ -46,7 +46,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
+#include <stdexcept>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -839,6 +841,95 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.closing.clear();
             llama_kvp_summarise_count_host(mem, S);
         }
+    }
+
+    // the pending bin, so that a restored state fits the same bins: n, the rows' type and bytes per K and V row, the
+    // count of positions summarised, the telemetry counters, those positions, then per pending token (pos, score),
+    // then the K and V bytes
+    void state_write(const llama_kvp_memory & mem, int32_t ikv, std::vector<uint8_t> & out) const override {
+        const auto & L = mem.layers[ikv];
+        if (!L.fate) {
+            return;
+        }
+        const auto & S = static_cast<const llama_kvp_summarise_state &>(*L.fate);
+        const uint32_t hdr[5] = { (uint32_t) S.pos.size(), (uint32_t) S.type, (uint32_t) S.row_k, (uint32_t) S.row_v,
+                                  (uint32_t) S.done.size() };
+        auto put = [&](const void * x, size_t n) { out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n); };
+        const int64_t cnt[4] = { S.n_bins, S.n_fallback, S.n_tokens, S.n_fit };
+        const double  sum[3] = { S.err_sum, S.lse_sum, S.t_ms };
+        put(hdr, sizeof(hdr));
+        put(cnt, sizeof(cnt));
+        put(sum, sizeof(sum));
+        put(S.done.data(), S.done.size()*sizeof(llama_pos));
+        for (size_t i = 0; i < S.pos.size(); ++i) {
+            put(&S.pos[i],   sizeof(int32_t));
+            put(&S.score[i], sizeof(float));
+        }
+        put(S.k.data(), S.k.size());
+        put(S.v.data(), S.v.size());
+    }
+
+    void state_read(llama_kvp_memory & mem, int32_t ikv, const std::vector<uint8_t> & in) const override {
+        if (in.empty()) {
+            return;
+        }
+        auto & L = mem.layers[ikv];
+        auto & S = llama_kvp_summarise_of(L);
+        uint32_t hdr[5] = {};
+        if (in.size() < sizeof(hdr)) {
+            throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
+        }
+        memcpy(hdr, in.data(), sizeof(hdr));
+        const size_t n = hdr[0];
+        const ggml_type type = (ggml_type) hdr[1];
+        const int64_t n_embd_k = llama_kvp_kv_access::layer_k(*L.kv, 0)->ne[0];
+        const int64_t n_embd_v = llama_kvp_kv_access::layer_v(*L.kv, 0)->ne[0];
+        if (n > 0 && ((type != GGML_TYPE_F16 && type != GGML_TYPE_Q8_0) || hdr[2] != ggml_row_size(type, n_embd_k) ||
+                      hdr[3] != ggml_row_size(type, n_embd_v))) {
+            throw std::runtime_error("pykvcache: the summarise bins in this state were saved with other K/V sizes");
+        }
+        int64_t cnt[4] = {};
+        double  sum[3] = {};
+        if (in.size() != sizeof(hdr) + sizeof(cnt) + sizeof(sum) + (size_t) hdr[4]*sizeof(llama_pos) + n*(8 + (size_t) hdr[2] + hdr[3])) {
+            throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
+        }
+        const uint8_t * x = in.data() + sizeof(hdr);
+        memcpy(cnt, x, sizeof(cnt));
+        x += sizeof(cnt);
+        memcpy(sum, x, sizeof(sum));
+        x += sizeof(sum);
+        S.n_bins     = cnt[0];
+        S.n_fallback = cnt[1];
+        S.n_tokens   = cnt[2];
+        S.n_fit      = cnt[3];
+        S.err_sum    = sum[0];
+        S.lse_sum    = sum[1];
+        S.t_ms       = sum[2];
+        S.done.resize(hdr[4]);
+        memcpy(S.done.data(), x, S.done.size()*sizeof(llama_pos));
+        x += S.done.size()*sizeof(llama_pos);
+        S.pos.resize(n);
+        S.score.resize(n);
+        for (size_t i = 0; i < n; ++i, x += 8) {
+            memcpy(&S.pos[i],   x,     4);
+            memcpy(&S.score[i], x + 4, 4);
+        }
+        if (n > 0) {
+            S.type  = type;
+            S.row_k = hdr[2];
+            S.row_v = hdr[3];
+        }
+        S.k.assign(x, x + n*S.row_k);
+        x += n*S.row_k;
+        S.v.assign(x, x + n*S.row_v);
+        S.pos_max = -1;
+        for (llama_pos p : S.pos) {
+            S.pos_max = std::max(S.pos_max, p);
+        }
+        for (llama_pos p : S.done) {
+            S.pos_max = std::max(S.pos_max, p);
+        }
+        llama_kvp_summarise_count_host(mem, S);
     }
 
     void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const override {
