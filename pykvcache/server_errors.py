@@ -47,6 +47,9 @@ def body_problem(body: bytes) -> Optional[str]:
         return f"the request body is not valid JSON: {exc}"
     if not isinstance(obj, dict):
         return f"the request body must be a JSON object, not {type(obj).__name__}"
+    for key in ("n", "best_of"):  # llama-cpp-python answers one choice whatever they ask
+        if isinstance(obj.get(key), int) and not isinstance(obj[key], bool) and obj[key] > 1:
+            return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)"
     return None
 
 

@@ -109,7 +109,7 @@ class KVMemory:
     layers: List[LayerBudget]
     host_bytes: int = 0
     host_bytes_peak: int = 0
-    n_active: int = 0
+    n_active: int = 0  # cells in use, all layers of the current sequence
 
     @property
     def budgets(self) -> List[int]:

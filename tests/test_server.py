@@ -137,6 +137,7 @@ def post(url, body, path="/v1/completions"):
     (json.dumps({"prompt": "Hi", "max_tokens": 2, "top_p": 5}).encode(), "top_p: "),
     (json.dumps({"prompt": "Hi", "max_tokens": 2, "grammar": "this is not gbnf"}).encode(), "grammar"),
     (json.dumps({"prompt": "", "max_tokens": 2}).encode(), "the prompt has no tokens"),
+    (json.dumps({"prompt": "Hi", "max_tokens": 2, "n": 2}).encode(), "one choice per request"),
 ])
 def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body, says):
     """Malformed JSON, invalid fields, a grammar llama.cpp cannot parse (which crashed llama-cpp-python's server) and
