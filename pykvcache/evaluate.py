@@ -116,6 +116,15 @@ class EvalConfig:
                             f"kl_tokens={self.kl_tokens}, stream_chunk={self.stream_chunk})")
         if any(n < 128 for n in self.needle_lengths):
             raise EvalError(f"needle lengths must be >= 128 tokens (got {self.needle_lengths})")
+        # every policy at every budget in tokens the runs use, so that none fails after others have run
+        for n in sorted({self.kl_tokens - self.stream, *self.needle_lengths}):
+            for b in self.budgets:
+                for p in self.policies:
+                    try:
+                        parse_policy(policy_spec(p, int(round(b * n))))
+                    except PolicyError as exc:
+                        raise EvalError(f"policy '{p}' at budget {b} of a {n}-token prompt "
+                                        f"({int(round(b * n))} tokens): {exc}") from exc
         if self.n_agree < 1 or self.threads < 1:
             raise EvalError("n_agree and threads must be >= 1")
         if self.corpus not in corpus.CORPORA:

@@ -119,6 +119,8 @@ def test_serve_help_names_the_policy_flag():
     (["telemetry", "-p", "hi", "--policy", "none"], "needs an observing policy"),
     (["eval", "--budgets", ""], "no budget to evaluate"),
     (["eval", "--policies", "snapkv:budget=0.5"], "sets its own budget"),        # silently replaced the sweep
+    (["eval", "--policies", "sink_recent,h2o", "--budgets", "0.1", "--kl-tokens", "512", "--stream", "256",
+      "--needle-lengths", "256"], "policy 'h2o' at budget 0.1 of a 256-token prompt"),  # failed after the first ran
     (["bench", "-t", "99999"], "at most 512 threads"),                           # segfaulted
     (["bench", "-p"], "-p: missing value"),                                      # took the model path as its value
 ])
