@@ -10,15 +10,20 @@ from ._native import import_llama_cpp
 
 llama_cpp = import_llama_cpp()
 
+# llama.cpp's limit on compute threads (GGML_MAX_N_THREADS): OpenMP crashes far above it
+MAX_THREADS = 512
+
 
 def check_sizes(kwargs: Dict[str, Any]) -> None:
-    """Check the context sizes among llama_cpp.Llama's keyword arguments (n_ctx >= 0, n_batch and n_ubatch >= 1)."""
-    for name, lo in (("n_ctx", 0), ("n_batch", 1), ("n_ubatch", 1)):
-        if name not in kwargs:
+    """Check the sizes among llama_cpp.Llama's keyword arguments: n_ctx >= 0, n_batch and n_ubatch >= 1, threads
+    (None: llama-cpp-python's default) 1 to MAX_THREADS."""
+    for name, lo, hi in (("n_ctx", 0, None), ("n_batch", 1, None), ("n_ubatch", 1, None),
+                         ("n_threads", 1, MAX_THREADS), ("n_threads_batch", 1, MAX_THREADS)):
+        if name not in kwargs or (kwargs[name] is None and name.startswith("n_threads")):
             continue
         value = kwargs[name]
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, not {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi and value > hi):
+            raise ValueError(f"{name} must be an integer >= {lo}" + (f" and <= {hi}" if hi else "") + f", not {value!r}")
 
 
 def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:

@@ -19,8 +19,6 @@ POLICY_HELP = (
 )
 
 
-# llama.cpp's limit on compute threads (GGML_MAX_N_THREADS): OpenMP crashes far above it
-MAX_THREADS = 512
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
@@ -144,6 +142,8 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-c/--ctx-size must be >= 0 (got {args.ctx_size})")
     if args.batch_size < 1:
         raise ValueError(f"-b/--batch-size must be >= 1 (got {args.batch_size})")
+    from .checks import MAX_THREADS
+
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise ValueError(f"-t/--threads must be in 1..{MAX_THREADS} (got {args.threads})")
     if args.n_gpu_layers < -1:

@@ -107,9 +107,8 @@ class Llama(llama_cpp.Llama):
         return super().create_completion(prompt, *args, **kwargs)
 
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
-        """Answer chat messages (llama_cpp.Llama.create_chat_completion); an invalid grammar is an error."""
+        """Answer chat messages (llama_cpp.Llama.create_chat_completion; its grammar is checked by create_completion)."""
         self._check_open()
-        check_grammar(self, kwargs.get("grammar"))
         return super().create_chat_completion(*args, **kwargs)
 
     def create_embedding(self, *args: Any, **kwargs: Any) -> Any:
@@ -173,7 +172,6 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         self._check_open()
-        check_token_ids(tokens, self._n_vocab)
         pol = self._kv_policy
         n_in = len(tokens)
         if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:
@@ -236,6 +234,7 @@ class Llama(llama_cpp.Llama):
         if len(tokens) == 0 and (kwargs.get("reset", True) or self.n_tokens == 0):
             raise ValueError("the prompt has no tokens: give at least one (this model adds no BOS token to an empty "
                              "prompt)")
+        check_token_ids(tokens, self._n_vocab)  # the prompt's; the sampled ones are the vocabulary's
         pol = self._kv_policy
         if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
                 and self.n_tokens > 0):

@@ -215,6 +215,14 @@ static llama_kvp_policy llama_kvp_policy_base() {
     return res;
 }
 
+// what a preset makes of the base policy alone, its stages included (before its keys are derived)
+static llama_kvp_policy llama_kvp_preset_made(const llama_kvp_preset & preset, int32_t type) {
+    llama_kvp_policy res = llama_kvp_policy_base();
+    res.type = type;
+    preset.make(res);
+    return res;
+}
+
 struct llama_kvp_policy llama_kvp_policy_default(int32_t type) {
     llama_kvp_policy res = llama_kvp_policy_base();
     res.type = type;
@@ -261,9 +269,7 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
     }
 
     // each stage checks the keys it reads; the error names a stage the preset does not have itself
-    llama_kvp_policy own = llama_kvp_policy_base();
-    own.type = p.type;
-    preset->make(own);
+    const llama_kvp_policy own = llama_kvp_preset_made(*preset, p.type);
     static const int32_t order[] = { LLAMA_KVP_SLOT_SCORE, LLAMA_KVP_SLOT_BUDGET, LLAMA_KVP_SLOT_SCHEDULE, LLAMA_KVP_SLOT_PREFILL, LLAMA_KVP_SLOT_FATE };
     for (int32_t slot : order) {
         const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
@@ -496,9 +502,7 @@ std::string llama_kvp_policy_str(const llama_kvp_policy & p) {
     }
 
     // what the preset alone makes of these keys
-    llama_kvp_policy ref = llama_kvp_policy_base();
-    ref.type = p.type;
-    preset->make(ref);
+    llama_kvp_policy ref = llama_kvp_preset_made(*preset, p.type);
     for (const auto & k : k_keys) {
         if (llama_kvp_list_has(preset->keys, k.name)) {
             memcpy((char *) &ref + k.offset, (const char *) &p + k.offset, sizeof(int32_t));
