@@ -5,7 +5,7 @@ Import pykvcache before llama_cpp: it points llama_cpp at its patched libllama.
 
 from ._native import NativeLibraryError
 from .llama import Llama, default_model_path
-from .policies import Composed, KVPolicy, Policy, PolicyError, Stage, parse_policy, policy_help
+from .policies import Composed, KVPolicy, Policy, PolicyError, Stage, Stages, parse_policy, policy_help
 from .presets import H2O, EntropyLayerBudget, Freeze, FullCache, Observe, Pyramid, RetentionPolicy, SinkRecent, SnapKV
 from .stages import (
     AccumulatedScore,
@@ -33,6 +33,7 @@ __all__ = [
     "Policy",
     "KVPolicy",
     "Stage",
+    "Stages",
     "Composed",
     "FullCache",
     "Observe",

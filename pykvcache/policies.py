@@ -4,6 +4,7 @@ A policy is a composition of stages, one per slot (budget, score, schedule, fate
 `EntropyLayerBudget`, ...) are named compositions; `preset + stage` replaces the preset's stage in that slot:
 
     SnapKV(budget=0.1) + EntropyBudget(min_layer=64)    # spec "snapkv:budget=0.1+entropy:min_layer=64"
+    SnapKV(budget=0.1) + (LatentSchedule() + HostFate())  # stages that need each other, added together
 
 The spec grammar is parsed and validated by the native engine (shared with the CLI and kvbench); `spec()` returns
 the canonical string, which parses back to an equal policy.
@@ -126,10 +127,22 @@ class Policy:
         """Whether prompt chunks are scored by the prompt's end run behind them (guided prefill)."""
         return self._desc["guides"]
 
-    def __add__(self, stage: "Stage") -> "Composed":
-        if not isinstance(stage, Stage):
+    def __add__(self, stage: "Stage | Stages") -> "Policy":
+        if isinstance(stage, Stage):
+            added: Tuple[Stage, ...] = (stage,)
+        elif isinstance(stage, Stages):
+            added = stage.stages
+        else:
             return NotImplemented
-        return _build(Composed(self._base(), self._stages() + (stage,)).spec())
+        try:
+            composed = Composed(self._base(), self._stages() + added)
+        except PolicyError as e:
+            if isinstance(stage, Stage) and " needs " in str(e):
+                # stages that need each other validate together: `a + b + c` adds b alone first
+                raise PolicyError(f"{e}; to add stages that need each other, add them together: "
+                                  f"policy + ({type(stage).__name__}(...) + ...)") from None
+            raise
+        return _build(composed.spec())
 
     def _base(self) -> "KVPolicy":
         raise NotImplementedError
@@ -170,6 +183,37 @@ class Stage:
     def raw_spec(self) -> str:
         """Return this stage's part of a spec, e.g. `entropy:min_layer=64`."""
         return _part(self.name, self)
+
+    def __add__(self, other: "Stage | Stages") -> "Stages":
+        if isinstance(other, Stage):
+            return Stages((self, other))
+        if isinstance(other, Stages):
+            return Stages((self,) + other.stages)
+        return NotImplemented
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Stages added together (`LatentSchedule() + HostFate()`), validated as one when added to a policy, so that
+    stages that need each other compose: `SnapKV() + (LatentSchedule(gap=0) + HostFate())`."""
+
+    stages: Tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        for s in self.stages:
+            if not isinstance(s, Stage):
+                raise PolicyError(f"only stages can be added together (got {type(s).__name__})")
+
+    def __add__(self, other: "Stage | Stages") -> "Stages":
+        if isinstance(other, Stage):
+            return Stages(self.stages + (other,))
+        if isinstance(other, Stages):
+            return Stages(self.stages + other.stages)
+        return NotImplemented
+
+    def raw_spec(self) -> str:
+        """Return the stages' part of a spec, e.g. `latent:gap=0+host`."""
+        return "+".join(s.raw_spec() for s in self.stages)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,21 @@ def test_stage_values_are_typed_in_python():
         SnapKV(budget=0.1) + WindowScore(pool=4)
 
 
+def test_stages_that_need_each_other_are_added_together():
+    """`a + b + c` adds b alone first: a schedule that needs the host fate fails there, with a line that says how to
+    add both; added together they validate as one, equal to the spec string."""
+    with pytest.raises(PolicyError, match=r"needs the host fate.*add them together"):
+        SnapKV(budget=0.1) + LatentSchedule(gap=0) + HostFate()
+    pol = SnapKV(budget=0.1) + (LatentSchedule(gap=0) + HostFate())
+    assert pol == parse_policy("snapkv:budget=0.1+latent:gap=0+host")
+    assert pol == SnapKV(budget=0.1) + HostFate() + LatentSchedule(gap=0)
+    assert SnapKV(budget=0.1) + (LatentSchedule(gap=0) + (HostFate() + DensePrefill())) == pol + DensePrefill()
+    with pytest.raises(PolicyError, match="two stages for the schedule slot"):
+        H2O(budget=0.1) + (FreezeSchedule() + LatentSchedule())
+    with pytest.raises(TypeError):
+        LatentSchedule() + SnapKV()  # type: ignore[operator]
+
+
 def test_a_composition_runs_with_the_stage_it_names(model_path):
     """SnapKV with entropy layer budgets allocates like the entropy preset; restating sink_recent as stages retains
     exactly what the preset retains."""
