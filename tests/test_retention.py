@@ -325,6 +325,18 @@ def test_budget_larger_than_the_context(model_path):
     ok.eval(ok.tokenize(b"Hello"))
 
 
+def test_a_fraction_below_the_protected_tokens_is_said_once(model_path, capsys):
+    """A fractional budget of a short prompt is raised to the tokens the policy always keeps (the budget rule); with
+    verbose=True llama.cpp's log says so, once per context."""
+    llm = Llama(model_path, n_ctx=256, verbose=True, kv_policy=SnapKV(budget=0.1))
+    for text in (b"hello world " * 30, b"another world " * 30):
+        llm.reset()
+        llm.eval(llm.tokenize(text))
+    said = [line for line in capsys.readouterr().err.splitlines() if "fewer than the policy always keeps" in line]
+    assert len(said) == 1 and "raised to 33 per layer" in said[0]
+    assert llm.kv_memory().budgets == [33] * 30
+
+
 def test_unsupported_architecture_is_named(tiny_gemma3):
     with pytest.raises(PolicyError, match=r"does not support architecture 'gemma3'.*sliding-window"):
         Llama(tiny_gemma3, n_ctx=256, verbose=False, kv_policy=EntropyLayerBudget(budget=64))

@@ -354,6 +354,13 @@ bool llama_kvp_memory::set_prompt_len(int32_t n) {
 void llama_kvp_memory::restart_budgets(int32_t n) {
     n_prompt = n;
     const uint32_t b_new = resolve_budget(n);
+    if (policy.budget < 1.0f && n > 0 && !budget_raised_said && (double) b_new > std::round((double) policy.budget*n)) {
+        // the documented budget rule, said once per context: a short prompt's fraction is below the protected tokens
+        LLAMA_LOG_WARN("%s: pykvcache: budget=%g of a %d-token prompt is %.0f tokens, fewer than the policy always keeps "
+                       "(sinks, recent window): raised to %u per layer\n", __func__, (double) policy.budget, n,
+                       std::round((double) policy.budget*n), b_new);
+        budget_raised_said = true;
+    }
     if (b_new != budget || budgets_set) {
         budget      = b_new;
         budgets_set = false;

@@ -200,6 +200,7 @@ public:
     int32_t n_resize   = 0;
     int32_t n_budget   = 0;
     bool    budgets_set = false; // entropy: budgets decided from an observation
+    bool    budget_raised_said = false; // a fractional budget raised to the protected tokens was logged
 
     // the sequence's logical end (one past the last position placed), apart from the cells held: a truncation
     // (seq_rm p0..end) leaves the positions consistent even where the policy had evicted p0 - 1
