@@ -287,7 +287,7 @@ class Llama(llama_cpp.Llama):
                         budget=int(info.budget), n_prompt=int(info.n_prompt), chunk=int(info.chunk),
                         n_evicted=int(info.n_evicted), n_resize=int(info.n_resize), n_budget=int(info.n_budget),
                         layers=budgets, host_bytes=int(info.host_bytes), host_bytes_peak=int(info.host_bytes_peak),
-                        n_active=int(info.n_active))
+                        n_active=int(info.n_active), seq=int(info.seq))
 
     def kv_retained(self) -> np.ndarray:
         """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted)."""

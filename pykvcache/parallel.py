@@ -165,14 +165,17 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
     return views
 
 
-def sequence_stats(llm: Llama, views: List[SequenceView]) -> List[dict]:
-    """Each sequence's tokens, budget and active cells, read between two decode steps of the views."""
+def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:
+    """Each sequence's tokens, budget and active cells, read between two decode steps of the views (within `turn` when
+    the caller holds the context already); the current sequence stays the one it was."""
     _, lib = native()
     pol = llm.kv_policy
-    turn = object()
+    own = turn is None
+    turn = object() if turn is None else turn
     views[0]._turns.take(turn)
     try:
         res = []
+        current = llm.kv_memory().seq if pol is not None and pol.retains else -1
         for v in views:
             row = {"seq": v.seq, "n_tokens": int(v.n_tokens)}
             if pol is not None and pol.retains:
@@ -180,6 +183,9 @@ def sequence_stats(llm: Llama, views: List[SequenceView]) -> List[dict]:
                 mem = llm.kv_memory()
                 row.update(budget=mem.budget, n_active=mem.n_active)
             res.append(row)
+        if current >= 0:
+            lib.llama_kvp_seq_select(llm._native_ctx(), current)
         return res
     finally:
-        views[0]._turns.give(turn)
+        if own:
+            views[0]._turns.give(turn)

@@ -232,13 +232,14 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
 
     turn = object()
     pool.views[0]._turns.take(turn)
-    try:
+    try:  # one snapshot: no decode step between the layers and the sequences
         entry = {"model": alias, "loaded": True, "n_parallel": pool.n, **kv_stats_of(pool.llama)}
         if pool.llama.kv_policy is not None and pool.llama.kv_policy.retains:
             entry["kv_bytes"] = pool.llama.kv_memory().bytes  # every sequence's caches
+        rows = sequence_stats(pool.llama, pool.views, turn)
     finally:
         pool.views[0]._turns.give(turn)
-    entry["sequences"] = [dict(row, busy=v not in pool.free) for v, row in zip(pool.views, sequence_stats(pool.llama, pool.views))]
+    entry["sequences"] = [dict(row, busy=v not in pool.free) for v, row in zip(pool.views, rows)]
     entry["n_tokens"] = sum(row["n_tokens"] for row in entry["sequences"])
     return entry
 

@@ -110,6 +110,7 @@ class KVMemory:
     host_bytes: int = 0
     host_bytes_peak: int = 0
     n_active: int = 0  # cells in use, all layers of the current sequence
+    seq: int = 0  # the current sequence (of n_seq_max; the one whose tokens were decoded last, or selected)
 
     @property
     def budgets(self) -> List[int]:

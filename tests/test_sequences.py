@@ -38,6 +38,12 @@ def test_batched_sequences_generate_what_single_contexts_do(model_path, spec):
     out = llm.generate_batch(prompts, 24)
     ref, ref_bytes = _single_runs(model_path, spec, prompts, 24)
     assert out == ref
+    n_held = sum(len(p) + 23 for p in prompts)  # each sequence's prompt and generated tokens but the last
+    for layer in llm.kv_stats().layers:  # one cache per layer, as many cells as its bytes hold, every sequence's
+        assert layer.n_used <= layer.n_cells and (spec is not None or layer.n_used == n_held)
+        assert layer.k_bytes % layer.n_cells == 0
+    if spec is None:
+        assert {layer.n_cells for layer in llm.kv_stats().layers} == {3 * N_CTX_SEQ}
     if spec is not None:
         # every sequence kept its own budgets: the memory is that of three single contexts
         mem = llm.kv_memory()

@@ -261,6 +261,10 @@ def test_parallel_requests_run_at_once_each_as_alone(parallel_server, model_path
     (m,) = kv_stats(parallel_server)
     assert m["n_parallel"] == 3 and len(m["sequences"]) == 3
     assert all(row["n_tokens"] > 10 and row["budget"] == 64 and not row["busy"] for row in m["sequences"])
+    # the top-level layers are one sequence's, the same at every poll (reading the sequences selects each in turn)
+    (again,) = kv_stats(parallel_server)
+    assert again["layers"] == m["layers"]
+    assert sum(row["n_used"] for row in m["layers"]) in [row["n_active"] for row in m["sequences"]]
 
 
 def test_parallel_server_survives_disconnects_and_bad_requests(parallel_server):

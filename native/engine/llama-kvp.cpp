@@ -101,7 +101,7 @@ int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_l
             ggml_tensor * v = llama_kvp_kv_access::layer_v(*kv, ikv);
             llama_kvp_layer_stats & s = out[i++];
             s.il        = llama_kvp_kv_access::layer_il(*kv, ikv);
-            s.n_cells   = (int32_t) kv->get_size();
+            s.n_cells   = (int32_t) (kv->get_size()*llama_kvp_kv_access::n_stream(*kv)); // every stream, as n_used and the bytes
             s.n_used    = (int32_t) n_used;
             s.k_bytes   = k ? (int64_t) ggml_backend_buffer_get_alloc_size(k->buffer, k) : 0;
             s.v_bytes   = v ? (int64_t) ggml_backend_buffer_get_alloc_size(v->buffer, v) : 0;

@@ -157,9 +157,9 @@ struct llama_kvp_policy_desc {
 // per layer of the KV cache, as allocated in the real ggml buffers
 struct llama_kvp_layer_stats {
     int32_t il;         // model layer index
-    int32_t n_cells;    // capacity (cells)
-    int32_t n_used;     // cells holding a token
-    int64_t k_bytes;    // bytes of the K tensor of this layer
+    int32_t n_cells;    // capacity (cells; of every stream where llama.cpp's cache has one per sequence)
+    int32_t n_used;     // cells holding a token (every stream)
+    int64_t k_bytes;    // bytes of the K tensor of this layer (every stream)
     int64_t v_bytes;    // bytes of the V tensor of this layer
     int32_t on_device;  // 1 if the tensors live in a non-host (accelerator) buffer
 };
