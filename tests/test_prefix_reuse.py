@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import llama_cpp
 import pytest
-from conftest import PROSE
+from conftest import PROSE, last_logits
 
 from pykvcache import Llama
 
@@ -113,3 +113,24 @@ def test_state_round_trips_through_the_same_calls(model_path, policy):
     other.load_state(state)
     z = [completion(other, follow, 6), completion(other, FOX, 4)]
     assert x == y == z
+
+
+@pytest.mark.parametrize("policy", ["entropy:budget=0.25", "snapkv:budget=0.25+entropy"])
+def test_a_prompt_evaluated_again_gives_a_fresh_contexts_logits(model_path, policy):
+    """Entropy decides each layer's budget during a prompt; the next prompt, even the same one, starts again from the
+    fixed budgets a fresh context starts with (they were kept once the emptied cache forgot who had decided them)."""
+    prompt = PROSE * 5 + " In one sentence, the mission was"
+
+    def evaluated(llm):
+        llm.reset()
+        llm.eval(llm.tokenize(prompt.encode()))
+        return last_logits(llm)
+
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=policy)
+    first = evaluated(llm)
+    decided = llm.kv_memory().budgets
+    assert len(set(decided)) > 1  # entropy decided unequal budgets
+    again = evaluated(llm)
+    fresh = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=policy)
+    assert (again == first).all() and (evaluated(fresh) == first).all()
+    assert llm.kv_memory().budgets == decided

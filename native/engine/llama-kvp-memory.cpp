@@ -361,15 +361,15 @@ void llama_kvp_memory::restart_budgets(int32_t n) {
                        std::round((double) policy.budget*n), b_new);
         budget_raised_said = true;
     }
-    if (b_new != budget || budgets_set) {
-        budget      = b_new;
-        budgets_set = false;
-        const auto b = fixed_budgets(budget);
-        for (size_t i = 0; i < layers.size(); ++i) {
-            layers[i].budget = b[i];
-            if (capacity_for(b[i]) != layers[i].capacity) {
-                resize((int32_t) i, capacity_for(b[i]));
-            }
+    // every layer back to the budget a fresh context starts the prompt with, whatever decided the last prompt's: an
+    // emptied cache has already forgotten that entropy had decided them (budgets_set), so the budgets themselves count
+    budget      = b_new;
+    budgets_set = false;
+    const auto b = fixed_budgets(budget);
+    for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i].budget = b[i];
+        if (capacity_for(b[i]) != layers[i].capacity) {
+            resize((int32_t) i, capacity_for(b[i]));
         }
     }
 }
