@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
@@ -64,6 +65,9 @@ class Llama(llama_cpp.Llama):
         self._kv_reuse = kv_reuse
         policy = as_policy(kv_policy)
         self._kv_policy = policy
+        self._rpc_servers = rpc_servers
+        self._n_seq_max = n_seq_max
+        self._gen_evals = -1  # evaluations by the running generate() (-1: none runs): its first is the prompt
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
         self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] in ("latent", "freeze")
                                and int(policy.to_native().gap) == 0)
@@ -74,6 +78,14 @@ class Llama(llama_cpp.Llama):
             add_servers(rpc_servers)
         if policy is not None and policy.sparse and args == () and "flash_attn" not in kwargs:
             kwargs["flash_attn"] = True  # block-sparse prefill replaces flash attention (llama.cpp's default: auto)
+        if policy is not None and policy.sparse and kwargs.get("flash_attn", True) is False:
+            warnings.warn("a +sparse kv_policy with flash_attn=False: sparse prefill runs in place of flash attention, "
+                          "so prompts run dense (leave flash_attn out to have it)", stacklevel=2)
+        if policy is not None and not policy.retains and kwargs.get("embedding"):
+            preset = policy.describe()["preset"]
+            raise PolicyError(f"kv_policy {preset!r} works on llama.cpp's own cache with one sequence, and embedding=True "
+                              "gives the context one per batched input (llama-cpp-python's embeddings): embed with "
+                              "kv_policy=None or a retention policy")
         ffi, lib = native()
         if policy is not None:
             if lib.llama_kvp_set_pending(policy.to_native()) != 0:
@@ -97,8 +109,51 @@ class Llama(llama_cpp.Llama):
 
     def _check_open(self) -> None:
         # llama_cpp.Llama hands a closed context's NULL pointers to llama.cpp, which crashes the process
-        if self._ctx.ctx is None or self._model.model is None:
+        ctx, model = self.__dict__.get("_ctx"), self.__dict__.get("_model")
+        if ctx is None or model is None:
+            return  # still being constructed: llama_cpp.Llama.__init__ calls some of these methods itself
+        if ctx.ctx is None or model.model is None:
             raise ValueError("this Llama is closed: create a new one")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The constructor's arguments (llama_cpp.Llama's pickling), the KV policy's among them."""
+        return dict(super().__getstate__(), kv_policy=self._kv_policy.spec() if self._kv_policy is not None else None,
+                    kv_reuse=self._kv_reuse, rpc_servers=self._rpc_servers, n_seq_max=self._n_seq_max)
+
+    def n_ctx(self) -> int:
+        """The context's size in tokens (llama_cpp.Llama.n_ctx)."""
+        self._check_open()
+        return super().n_ctx()
+
+    def n_embd(self) -> int:
+        """The model's embedding size (llama_cpp.Llama.n_embd)."""
+        self._check_open()
+        return super().n_embd()
+
+    def n_vocab(self) -> int:
+        """The model's vocabulary size (llama_cpp.Llama.n_vocab)."""
+        self._check_open()
+        return super().n_vocab()
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (llama_cpp.Llama.tokenizer)."""
+        self._check_open()
+        return super().tokenizer()
+
+    def pooling_type(self) -> str:
+        """The context's pooling type (llama_cpp.Llama.pooling_type)."""
+        self._check_open()
+        return super().pooling_type()
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        """Embeddings of text (llama_cpp.Llama.embed)."""
+        self._check_open()
+        return super().embed(*args, **kwargs)
+
+    def sample(self, *args: Any, **kwargs: Any) -> int:
+        """Sample the next token (llama_cpp.Llama.sample)."""
+        self._check_open()
+        return super().sample(*args, **kwargs)
 
     def create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Any:
         """Complete a prompt (llama_cpp.Llama.create_completion); an invalid grammar is an error, not a crash."""
@@ -133,9 +188,22 @@ class Llama(llama_cpp.Llama):
         return super().save_state()
 
     def load_state(self, state: Any) -> None:
-        """Restore a state from `save_state` (llama_cpp.Llama.load_state)."""
+        """Restore a state from `save_state` (llama_cpp.Llama.load_state); one this context cannot take is an error that
+        leaves the context as it was."""
         self._check_open()
-        super().load_state(state)
+        before = super().save_state()
+        try:
+            super().load_state(state)
+        except RuntimeError:
+            try:
+                super().load_state(before)
+            except RuntimeError:  # not expected: then at least an empty cache, not a half-loaded one
+                self.n_tokens = 0
+                self._ctx.kv_cache_seq_rm(-1, 0, -1)
+            pol = self._kv_policy.spec() if self._kv_policy is not None else "none (the full cache)"
+            raise RuntimeError(f"this state cannot be loaded here: it was saved by a context with another model, KV "
+                             f"policy, context size or number of sequences (this one: kv_policy={pol}, n_ctx="
+                             f"{self.context_params.n_ctx}, n_seq_max={self._n_seq_max}); the context is unchanged") from None
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -180,25 +248,41 @@ class Llama(llama_cpp.Llama):
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
             if lib.llama_kvp_set_prompt_len(self._native_ctx(), len(tokens)) != 0:
                 raise PolicyError(last_error())
-        if pol is not None and pol.guides and len(tokens) > 1 and not self._logits_all:
-            # question-guided prefill: every chunk but the last is scored by the prompt's end run behind it
-            _, lib = native()
+        if pol is not None and pol.guides and len(tokens) > 1:
+            # question-guided prefill: every chunk but the last is scored by the prompt's end run behind it (with
+            # logits_all, the chunks' logits kept as llama_cpp keeps every token's)
+            ffi, lib = native()
             self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-            k = lib.llama_kvp_prefill_guided(self._native_ctx(), list(tokens), len(tokens), self.n_tokens)
+            out = ffi.NULL
+            if self._logits_all:
+                out = ffi.cast("float *", ffi.from_buffer(self.scores[self.n_tokens : self.n_tokens + len(tokens)]))
+            k = lib.llama_kvp_prefill_guided_logits(self._native_ctx(), list(tokens), len(tokens), self.n_tokens, out)
             if k < 0:
                 raise RuntimeError(last_error())
             self.input_ids[self.n_tokens : self.n_tokens + k] = tokens[:k]
             self.n_tokens += k
             tokens = tokens[k:]
-        if pol is not None and (pol.sparse or pol.summarises) and not self._logits_all and len(tokens) > self.n_batch:
-            # only the prompt's last token asks for logits (llama_cpp asks for every chunk's last): with sparse prefill
-            # a segment holding a token whose logits are read attends to every block; summarise fits a bin's rest
-            # where a prompt ends, which a token giving logits marks
-            tokens = self._eval_without_logits(tokens)
+        prompt_end = -1
+        if pol is not None and (pol.sparse or pol.summarises) and len(tokens) > 1:
+            # only the prompt's last token counts as giving logits (llama_cpp asks for every chunk's last, or with
+            # logits_all for all): with sparse prefill a segment holding a token whose logits are read attends to every
+            # block; summarise fits a bin's rest where a prompt ends
+            if self._logits_all:
+                prompt_end = self.n_tokens + len(tokens) - 1
+                native()[1].llama_kvp_set_prompt_end(self._native_ctx(), prompt_end)
+            elif len(tokens) > self.n_batch:
+                tokens = self._eval_without_logits(tokens)
         if pol is not None and pol.observes and len(tokens) > 1 and len(tokens) % self.n_batch == 1:
             self.kv_observe_next()
-        super().eval(tokens)
-        if self._latent_at_end and n_in > 1:
+        try:
+            super().eval(tokens)
+        finally:
+            if prompt_end >= 0:
+                native()[1].llama_kvp_set_prompt_end(self._native_ctx(), -1)
+        prompt_end = self._gen_evals <= 0  # not a decode-time evaluation of generate() (a token and its drafts)
+        if self._gen_evals >= 0:
+            self._gen_evals += 1
+        if self._latent_at_end and n_in > 1 and prompt_end:
             self._latent_redo(max(1, min(n_in, self._latent_window)))
 
     def _latent_redo(self, k: int) -> None:
@@ -240,12 +324,17 @@ class Llama(llama_cpp.Llama):
                 and self.n_tokens > 0):
             self._kv_reuse_prefix(list(tokens))
         ladder = ladder_of(self)
-        if ladder is None:
-            return (yield from super().generate(tokens, *args, **kwargs))
-        return (yield from ladder.generate(tokens, args, kwargs))
+        self._gen_evals = 0
+        try:
+            if ladder is None:
+                return (yield from super().generate(tokens, *args, **kwargs))
+            return (yield from ladder.generate(tokens, args, kwargs))
+        finally:
+            self._gen_evals = -1
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> List[List[int]]:
         """Greedy continuations of several token prompts decoded together, one sequence each (up to n_seq_max)."""
+        self._check_open()
         return generate_batch(self, prompts, max_tokens)
 
     def _kv_reuse_prefix(self, tokens: list) -> None:

@@ -132,6 +132,37 @@ def test_input_llama_cpp_would_crash_on_is_a_clear_error(model_path):
         llm("hello", max_tokens=2)
     with pytest.raises(ValueError, match="this Llama is closed"):
         llm.tokenize(b"hello")
+    for call in (llm.n_ctx, llm.n_embd, llm.n_vocab, llm.pooling_type, llm.tokenizer, lambda: llm.embed("hello"),
+                 lambda: llm.generate_batch([[1, 2]], 2), llm.sample):  # each crashed the process (segfault)
+        with pytest.raises(ValueError, match="this Llama is closed"):
+            call()
+
+
+def test_a_state_this_context_cannot_take_leaves_it_as_it_was(model_path):
+    """A state saved under another policy failed with llama-cpp-python's generic error and left the context
+    half-loaded: the next completion was garbage."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    saved = Llama(model_path, n_ctx=512, verbose=False, kv_policy="snapkv:budget=64")
+    saved(prompt, max_tokens=2)
+    state = saved.save_state()
+    llm, ref = (Llama(model_path, n_ctx=512, verbose=False) for _ in range(2))
+    for x in (llm, ref):
+        x(prompt, max_tokens=6, temperature=0)
+    n_tokens = llm.n_tokens
+    with pytest.raises(RuntimeError, match=r"cannot be loaded here.*kv_policy=none .*the context is unchanged"):
+        llm.load_state(state)
+    assert llm.n_tokens == n_tokens
+    # the next call reuses the cached prompt as it would have without the failed load
+    assert llm(prompt, max_tokens=6, temperature=0)["choices"] == ref(prompt, max_tokens=6, temperature=0)["choices"]
+
+
+def test_sparse_prefill_says_what_runs_it_dense(model_path):
+    with pytest.warns(UserWarning, match="flash_attn=False: sparse prefill runs in place of flash attention"):
+        Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse", flash_attn=False)
+    with pytest.raises(PolicyError, match="embedding=True gives the context one per batched input"):
+        Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse", embedding=True)
+    emb = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64", embedding=True)
+    assert len(emb.embed("hello world")) == 2  # retention policies embed as llama-cpp-python does
 
 
 def test_a_summarise_bin_larger_than_the_context_is_refused(model_path):

@@ -5,6 +5,8 @@ saved state that holds both tiers; all on the real model."""
 import numpy as np
 import pytest
 
+from conftest import PROSE
+
 from pykvcache import H2O, Composed, FreezeSchedule, HostFate, HostTelemetry, Llama, PolicyError, parse_policy
 from pykvcache.corpus import essays
 
@@ -298,3 +300,20 @@ def test_kvbench_reports_the_host_tier(model_path):
     assert r["host_bytes_peak"] > 0
     md = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd="/").stdout
     assert "| host peak MiB |" in md and md.count(f"| {spec} |") == 2
+
+
+def test_speculative_decoding_with_the_latent_rerank(model_path):
+    """A draft model's tokens are evaluated in one batch during decoding; they were taken for a prompt's end and
+    re-ranked, which removed the logits generate() samples them with (the process aborted in llama.cpp)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    spec = "snapkv:budget=0.1+host+latent:gap=0"
+    prompt = (PROSE + " ") * 3 + "In one sentence, the mission was"
+    texts = []
+    for kwargs in ({"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=4)}, {"logits_all": True}):
+        llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=spec, **kwargs)
+        texts.append(llm(prompt, max_tokens=16, temperature=0)["choices"][0]["text"])
+        llm.close()
+    # the same answer; not to the last token: the draft's batch is scored as a prompt chunk (other rounding, and
+    # the memory's schedule restarts as after a chunk)
+    assert texts[0].strip() and texts[0][:40] == texts[1][:40]

@@ -340,3 +340,39 @@ def test_a_fraction_below_the_protected_tokens_is_said_once(model_path, capsys):
 def test_unsupported_architecture_is_named(tiny_gemma3):
     with pytest.raises(PolicyError, match=r"does not support architecture 'gemma3'.*sliding-window"):
         Llama(tiny_gemma3, n_ctx=256, verbose=False, kv_policy=EntropyLayerBudget(budget=64))
+
+
+def test_a_pickled_llama_keeps_its_policy(model_path):
+    """llama_cpp.Llama pickles its constructor's arguments; the KV policy, the reuse mode and n_seq_max are among
+    them (an unpickled copy ran the full cache)."""
+    import pickle
+
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy="snapkv:budget=64", kv_reuse="continue", n_seq_max=2)
+    copy = pickle.loads(pickle.dumps(llm))
+    assert copy.kv_policy == llm.kv_policy and copy._kv_reuse == "continue"
+    assert copy.kv_memory().bytes == llm.kv_memory().bytes  # two sequences' caches
+    prompt = PROSE * 2
+    assert copy(prompt, max_tokens=6, temperature=0)["choices"] == llm(prompt, max_tokens=6, temperature=0)["choices"]
+
+
+@pytest.mark.parametrize("spec", ["entropy:budget=0.25", "snapkv:budget=0.1+summarise:bin=64,rank=4",
+                                  "snapkv:budget=0.1+host+latent:gap=0", "snapkv:budget=0.25+sparse:threshold=64"])
+def test_logits_for_every_token_change_nothing_else(model_path, spec):
+    """logits_all=True (llama-cpp-python's logprobs, a draft model) skipped the guided prefill and treated every
+    chunk as a prompt's end: the same policy generated another text. Now the same cache and logits, and the guided
+    chunks' logits kept for every prompt token."""
+    prompt = PROSE * 5 + " In one sentence, the mission was"
+    got = []
+    for logits_all in (False, True):
+        llm = Llama(model_path, n_ctx=1024, n_batch=128, verbose=False, kv_policy=spec, logits_all=logits_all)
+        llm.eval(llm.tokenize(prompt.encode()))
+        last = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        got.append((np.ctypeslib.as_array(last, shape=(llm.n_vocab(),)).copy(), llm.kv_retained()))
+        if logits_all:
+            rows = llm.scores[: llm.n_tokens]
+            assert np.isfinite(rows).all() and (np.abs(rows).max(axis=1) > 0).all()  # every prompt token's logits
+            assert (rows[-1] == got[-1][0]).all()
+            out = llm.create_completion(prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+            assert len(out["choices"][0]["logprobs"]["token_logprobs"]) >= llm.n_tokens - 1
+        llm.close()
+    assert (got[0][0] == got[1][0]).all() and (got[0][1] == got[1][1]).all()

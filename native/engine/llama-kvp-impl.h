@@ -161,6 +161,7 @@ struct llama_kvp_context {
     size_t  n_steps_call  = 1; // ubatches of the decode call the current graph belongs to
     bool    obs_requested = false;
     bool    sparse_warned = false; // the reason prefill stays dense was logged
+    llama_pos prompt_end  = -1;    // the prompt's last position where the caller said it (llama_kvp_set_prompt_end)
     uint32_t n_ubatch     = 512;   // tokens per ubatch at most
 
     std::vector<llama_kvp_obs_seq> seqs; // by sequence id: the parked state of every sequence but the memory's current one

@@ -355,8 +355,9 @@ void llama_kvp_memory::restart_budgets(int32_t n) {
     n_prompt = n;
     const uint32_t b_new = resolve_budget(n);
     if (policy.budget < 1.0f && n > 0 && !budget_raised_said && (double) b_new > std::round((double) policy.budget*n)) {
-        // the documented budget rule, said once per context: a short prompt's fraction is below the protected tokens
-        LLAMA_LOG_WARN("%s: pykvcache: budget=%g of a %d-token prompt is %.0f tokens, fewer than the policy always keeps "
+        // the documented budget rule, said once per context with verbose=True (llama-cpp-python prints llama.cpp's warnings
+        // whatever its verbose): a short prompt's fraction is below the protected tokens
+        LLAMA_LOG_INFO("%s: pykvcache: budget=%g of a %d-token prompt is %.0f tokens, fewer than the policy always keeps "
                        "(sinks, recent window): raised to %u per layer\n", __func__, (double) policy.budget, n,
                        std::round((double) policy.budget*n), b_new);
         budget_raised_said = true;
@@ -434,7 +435,11 @@ void llama_kvp_memory::evict_layers(uint32_t n_tokens, bool evict_all) {
 }
 
 void llama_kvp_memory::ubatch_done(const llama_ubatch & ubatch) {
-    const bool ends = ubatch.n_tokens > 1 && ubatch.output && ubatch.output[ubatch.n_tokens - 1];
+    // the prompt's end: the ubatch of its last position where the caller said it, else a ubatch whose last token gives logits
+    bool ends = ubatch.n_tokens > 1 && ubatch.output && ubatch.output[ubatch.n_tokens - 1];
+    if (st && st->prompt_end >= 0) {
+        ends = ubatch.n_tokens > 1 && ubatch.pos[ubatch.n_tokens - 1] == st->prompt_end;
+    }
     if (!ends || guiding || !stage_fate->settles_prompt_end()) {
         return;
     }

@@ -275,6 +275,11 @@ int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int
 }
 
 int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0) {
+    return llama_kvp_prefill_guided_logits(ctx, tokens, n_tokens, pos0, nullptr);
+}
+
+int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                        float * logits) {
     if (!llama_kvp_check_ctx(ctx)) {
         return -1;
     }
@@ -295,6 +300,7 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
     const int32_t k = n_tokens - chunk;
     const llama_token * tail = tokens + n_tokens - n_g;
 
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
     llama_batch batch = llama_batch_init(chunk + n_g, 0, 1);
     int32_t res = k;
     mem->guiding = true;
@@ -307,9 +313,12 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
             batch.pos[j]       = pos0 + i0 + j;
             batch.n_seq_id[j]  = 1;
             batch.seq_id[j][0] = mem->seq_cur;
-            batch.logits[j]    = 0;
+            batch.logits[j]    = logits && j < n; // the chunk's own tokens: the guide after them does not change theirs
         }
         const int32_t ret = llama_decode(ctx, batch);
+        for (int32_t j = 0; ret == 0 && logits && j < n; ++j) {
+            std::copy_n(llama_get_logits_ith(ctx, j), n_vocab, logits + (size_t) (i0 + j)*n_vocab);
+        }
         // the prompt-end tokens were only there to score the cache: their positions go to the next chunk
         llama_memory_seq_rm(llama_get_memory(ctx), mem->seq_cur, pos0 + i0 + n, -1);
         if (ret != 0) {
@@ -322,6 +331,19 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
     mem->guiding = false;
     llama_batch_free(batch);
     return res;
+}
+
+int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    if (!st) {
+        llama_kvp_set_error("set_prompt_end: the context has no KV policy");
+        return -1;
+    }
+    st->prompt_end = pos < 0 ? -1 : pos;
+    return 0;
 }
 
 int32_t llama_kvp_reset_peak(struct llama_context * ctx) {

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 17
+#define LLAMA_KVP_API_VERSION 18
 
 #ifdef __cplusplus
 extern "C" {
@@ -307,6 +307,15 @@ int32_t llama_kvp_reset_peak(struct llama_context * ctx);
 // is scored by the end of the prompt, as SnapKV scores a whole prompt. Returns k; the caller decodes tokens[k..n)
 // itself (one chunk that ends with those tokens, with the logits it wants). 0 when there is nothing to guide.
 int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0);
+// the same, with the logits of tokens[0..k) written to logits [k][n_vocab] (NULL: none), for a caller that keeps every
+// token's logits (llama-cpp-python's logits_all); the guide behind a chunk does not change its tokens' logits
+int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                        float * logits);
+
+// the position of the prompt's last token (-1: none said). Where it is said, the prompt's end is that token's ubatch,
+// not the last ubatch that asks for logits: summarise fits its bins' rest there and sparse prefill attends to every
+// block in that token's segment alone, so that asking logits for every token (logits_all) changes nothing else
+int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos);
 
 // per-layer budgets of a retention policy; returns the number of layers written
 int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max);
