@@ -68,6 +68,7 @@ class Llama(llama_cpp.Llama):
         self._rpc_servers = rpc_servers
         self._n_seq_max = n_seq_max
         self._gen_evals = -1  # evaluations by the running generate() (-1: none runs): its first is the prompt
+        self._gen_owner: Optional[object] = None  # that generate()
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
         self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] in ("latent", "freeze")
                                and int(policy.to_native().gap) == 0)
@@ -202,8 +203,9 @@ class Llama(llama_cpp.Llama):
                 self._ctx.kv_cache_seq_rm(-1, 0, -1)
             pol = self._kv_policy.spec() if self._kv_policy is not None else "none (the full cache)"
             raise RuntimeError(f"this state cannot be loaded here: it was saved by a context with another model, KV "
-                             f"policy, context size or number of sequences (this one: kv_policy={pol}, n_ctx="
-                             f"{self.context_params.n_ctx}, n_seq_max={self._n_seq_max}); the context is unchanged") from None
+                               f"policy, context size or number of sequences (this one: kv_policy={pol}, n_ctx="
+                               f"{self.context_params.n_ctx}, n_seq_max={self._n_seq_max}); the context is unchanged"
+                               ) from None
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -279,10 +281,10 @@ class Llama(llama_cpp.Llama):
         finally:
             if prompt_end >= 0:
                 native()[1].llama_kvp_set_prompt_end(self._native_ctx(), -1)
-        prompt_end = self._gen_evals <= 0  # not a decode-time evaluation of generate() (a token and its drafts)
+        at_prompt = self._gen_evals <= 0  # not a decode-time evaluation of generate() (a token and its drafts)
         if self._gen_evals >= 0:
             self._gen_evals += 1
-        if self._latent_at_end and n_in > 1 and prompt_end:
+        if self._latent_at_end and n_in > 1 and at_prompt:
             self._latent_redo(max(1, min(n_in, self._latent_window)))
 
     def _latent_redo(self, k: int) -> None:
@@ -324,13 +326,15 @@ class Llama(llama_cpp.Llama):
                 and self.n_tokens > 0):
             self._kv_reuse_prefix(list(tokens))
         ladder = ladder_of(self)
-        self._gen_evals = 0
+        owner = object()
+        self._gen_owner, self._gen_evals = owner, 0
         try:
             if ladder is None:
                 return (yield from super().generate(tokens, *args, **kwargs))
             return (yield from ladder.generate(tokens, args, kwargs))
         finally:
-            self._gen_evals = -1
+            if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
+                self._gen_owner, self._gen_evals = None, -1
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> List[List[int]]:
         """Greedy continuations of several token prompts decoded together, one sequence each (up to n_seq_max)."""
