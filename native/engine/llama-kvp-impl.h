@@ -392,5 +392,9 @@ void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);
 // forget the window queries in the ring (a loaded state does not hold them)
 void llama_kvp_obs_forget_queries(llama_kvp_context * st);
 
+// whether token i of the ubatch counts as one whose logits are read: the prompt's last where the caller said which it
+// is (llama_kvp_set_prompt_end), else a token that gives logits (summarise's settle, sparse prefill's dense segments)
+bool llama_kvp_reads_logits(const llama_kvp_context * st, const llama_ubatch & ubatch, uint32_t i);
+
 // forget the scores of the cells of KV layer ikv that hold positions [p0, p1) (p < 0: unbounded), before a seq_rm
 void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1);

@@ -435,11 +435,7 @@ void llama_kvp_memory::evict_layers(uint32_t n_tokens, bool evict_all) {
 }
 
 void llama_kvp_memory::ubatch_done(const llama_ubatch & ubatch) {
-    // the prompt's end: the ubatch of its last position where the caller said it, else a ubatch whose last token gives logits
-    bool ends = ubatch.n_tokens > 1 && ubatch.output && ubatch.output[ubatch.n_tokens - 1];
-    if (st && st->prompt_end >= 0) {
-        ends = ubatch.n_tokens > 1 && ubatch.pos[ubatch.n_tokens - 1] == st->prompt_end;
-    }
+    const bool ends = ubatch.n_tokens > 1 && llama_kvp_reads_logits(st, ubatch, ubatch.n_tokens - 1); // a prompt's end
     if (!ends || guiding || !stage_fate->settles_prompt_end()) {
         return;
     }

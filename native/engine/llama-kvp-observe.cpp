@@ -1418,6 +1418,13 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
     ggml_backend_tensor_set(L.mass_acc, span.data(), (size_t) lo*sizeof(float), span.size()*sizeof(float));
 }
 
+bool llama_kvp_reads_logits(const llama_kvp_context * st, const llama_ubatch & ubatch, uint32_t i) {
+    if (st && st->prompt_end >= 0) {
+        return ubatch.pos[i] == st->prompt_end;
+    }
+    return ubatch.output && ubatch.output[i];
+}
+
 void llama_kvp_obs_forget_queries(llama_kvp_context * st) {
     std::fill(st->slot_pos.begin(), st->slot_pos.end(), -1);
 }

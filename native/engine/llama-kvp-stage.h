@@ -118,6 +118,11 @@ struct llama_kvp_schedule_stage : llama_kvp_stage {
     virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
 };
 
+// appends n bytes at x to a stage's saved state (state_write)
+static inline void llama_kvp_state_put(std::vector<uint8_t> & out, const void * x, size_t n) {
+    out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n);
+}
+
 struct llama_kvp_fate_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
 

@@ -349,7 +349,7 @@ struct llama_kvp_fate_host : llama_kvp_fate_stage {
         }
         const auto & S = static_cast<const llama_kvp_host_state &>(*L.fate);
         const uint32_t hdr[3] = { (uint32_t) S.size(), (uint32_t) S.row_k, (uint32_t) S.row_v };
-        auto put = [&](const void * x, size_t n) { out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n); };
+        auto put = [&](const void * x, size_t n) { llama_kvp_state_put(out, x, n); };
         put(hdr, sizeof(hdr));
         for (size_t i = 0; i < S.size(); ++i) {
             put(&S.pos[i],   sizeof(int32_t));

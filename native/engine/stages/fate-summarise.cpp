@@ -854,7 +854,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         const auto & S = static_cast<const llama_kvp_summarise_state &>(*L.fate);
         const uint32_t hdr[5] = { (uint32_t) S.pos.size(), (uint32_t) S.type, (uint32_t) S.row_k, (uint32_t) S.row_v,
                                   (uint32_t) S.done.size() };
-        auto put = [&](const void * x, size_t n) { out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n); };
+        auto put = [&](const void * x, size_t n) { llama_kvp_state_put(out, x, n); };
         const int64_t cnt[4] = { S.n_bins, S.n_fallback, S.n_tokens, S.n_fit };
         const double  sum[3] = { S.err_sum, S.lse_sum, S.t_ms };
         put(hdr, sizeof(hdr));

@@ -243,10 +243,9 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
         ggml_backend_tensor_set(keep, &v, 0, sizeof(v));
     }
     if (out_seg) {
-        // the segments holding a token whose logits are read: the prompt's last where the caller said which it is
         std::vector<float> o(n_seg, 0.0f);
         for (int64_t i = 0; i < n_tokens; ++i) {
-            if (st->prompt_end >= 0 ? ubatch->pos[i] == st->prompt_end : ubatch->output && ubatch->output[i]) {
+            if (llama_kvp_reads_logits(st, *ubatch, (uint32_t) i)) {
                 o[i/seg] = 1.0f;
             }
         }
