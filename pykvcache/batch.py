@@ -17,15 +17,17 @@ _params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def context_params_with(n_seq_max: int) -> Iterator[None]:
-    """While active, contexts llama-cpp-python creates hold n_seq_max sequences (its Llama has no such argument)."""
+def context_params_with(n_seq_max: int, embedding: bool = False) -> Iterator[None]:
+    """While active, contexts llama-cpp-python creates hold n_seq_max sequences (its Llama has no such argument); with
+    `embedding`, also those it makes for embeddings (its own choice there: one per batched input, up to 256)."""
     import llama_cpp.llama_cpp as lib
 
-    if n_seq_max == 1:
+    if n_seq_max == 1 and not embedding:
         yield
         return
     with _params_lock:
         orig = lib.llama_context_default_params
+        orig_max = lib.llama_max_parallel_sequences
 
         def params() -> Any:
             p = orig()
@@ -33,10 +35,13 @@ def context_params_with(n_seq_max: int) -> Iterator[None]:
             return p
 
         lib.llama_context_default_params = params
+        if embedding:
+            lib.llama_max_parallel_sequences = lambda: n_seq_max
         try:
             yield
         finally:
             lib.llama_context_default_params = orig
+            lib.llama_max_parallel_sequences = orig_max
 
 
 def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> List[List[int]]:

@@ -36,7 +36,8 @@ class Llama(llama_cpp.Llama):
         kv_reuse: What a new call keeps of a cache a retention policy has pruned: "exact" (default) keeps only the
             prefix that gives the result of evaluating the prompt afresh and evaluates the rest again; "continue"
             keeps the whole common prefix as the policy left it (llama-cpp-python's reuse; cheaper for long chats,
-            but the answer then depends on the earlier calls).
+            but the answer then depends on the earlier calls, and a fractional budget stays that of the prompt that
+            filled the cache first).
         rpc_servers: "host:port[,host:port...]" of `pykvcache rpc-server`s: their devices take the offloaded layers
             (n_gpu_layers) and those layers' KV caches.
         n_seq_max: Sequences the context holds (llama.cpp's n_seq_max; default 1), each with n_ctx/n_seq_max
@@ -93,7 +94,11 @@ class Llama(llama_cpp.Llama):
                 raise PolicyError(last_error())
         lib.llama_kvp_clear_error()
         try:
-            with context_params_with(n_seq_max):
+            # embeddings: llama-cpp-python gives the context a sequence per batched input (256); a retention policy
+            # has caches of its own per sequence, and views of a server's --n_parallel one per sequence, so there the
+            # context holds n_seq_max sequences and embeds that many inputs per batch
+            cap = bool(kwargs.get("embedding")) and ((policy is not None and policy.retains) or n_seq_max > 1)
+            with context_params_with(n_seq_max, embedding=cap):
                 super().__init__(model_path, *args, **kwargs)
         except ValueError as exc:
             msg = last_error()

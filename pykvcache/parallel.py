@@ -149,8 +149,10 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
     turns = Turns()
     views = []
     for s in range(n_seq):
-        v = copy.copy(llm)
-        v.__class__ = SequenceView
+        # the same attributes, not a copy.copy: llama-cpp-python's __setstate__ would load the model and build a context
+        # again for each view
+        v = SequenceView.__new__(SequenceView)
+        v.__dict__.update(llm.__dict__)
         v.seq = s
         v._turns = turns
         v._turn = object()
@@ -166,8 +168,8 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 
 
 def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:
-    """Each sequence's tokens, budget and active cells, read between two decode steps of the views (within `turn` when
-    the caller holds the context already); the current sequence stays the one it was."""
+    """Each sequence's tokens, budget, active cells and per-layer caches, read between two decode steps of the views
+    (within `turn` when the caller holds the context already); the current sequence stays the one it was."""
     _, lib = native()
     pol = llm.kv_policy
     own = turn is None
@@ -177,11 +179,16 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
         res = []
         current = llm.kv_memory().seq if pol is not None and pol.retains else -1
         for v in views:
-            row = {"seq": v.seq, "n_tokens": int(v.n_tokens)}
+            row: dict = {"seq": v.seq, "n_tokens": int(v.n_tokens), "n_ctx": v._n_ctx}
             if pol is not None and pol.retains:
                 lib.llama_kvp_seq_select(llm._native_ctx(), v.seq)
                 mem = llm.kv_memory()
-                row.update(budget=mem.budget, n_active=mem.n_active)
+                stats = llm.kv_stats()
+                row.update(budget=mem.budget, n_active=mem.n_active, kv_bytes=stats.total_bytes,
+                           n_evicted=sum(b.n_evicted for b in mem.layers))
+                row["layers"] = [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used,
+                                  "bytes": s.k_bytes + s.v_bytes, "budget": b.budget, "entropy": b.entropy,
+                                  "n_evicted": b.n_evicted} for s, b in zip(stats.layers, mem.layers)]
             res.append(row)
         if current >= 0:
             lib.llama_kvp_seq_select(llm._native_ctx(), current)

@@ -42,12 +42,15 @@ class KVModelSettings(ModelSettings):
     kv_policy: Optional[str] = Field(default=None, description="KV-cache policy spec, e.g. 'entropy:budget=512' or "
                                      "'snapkv:budget=512+entropy' (default: llama.cpp's own cache; also "
                                      "--kv-policy); `pykvcache policies` lists them. A budget in tokens keeps every "
-                                     "request's cache the same size; a fraction is of each request's prompt.")
+                                     "request's cache the same size; a fraction is of each request's prompt (with "
+                                     "--kv_reuse continue, of the prompt that filled the cache first: the cache is "
+                                     "not emptied between requests, so give long chats a budget in tokens).")
 
     kv_reuse: Literal["exact", "continue"] = Field(default="exact", description="What a new request keeps of a "
                                                    "cache the policy pruned: 'exact' (the result of a fresh evaluation; "
                                                    "re-evaluates) or 'continue' (the common prefix as the policy left "
-                                                   "it; cheaper for long chats).")
+                                                   "it; cheaper for long chats; a fractional budget stays that of "
+                                                   "the first prompt).")
 
     n_parallel: int = Field(default=1, ge=1, le=64, description="Requests served at once, each in a sequence of its "
                             "own with n_ctx/n_parallel positions, rounded up to a multiple of 256 by llama.cpp (and, "
@@ -234,13 +237,23 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
     pool.views[0]._turns.take(turn)
     try:  # one snapshot: no decode step between the layers and the sequences
         entry = {"model": alias, "loaded": True, "n_parallel": pool.n, **kv_stats_of(pool.llama)}
-        if pool.llama.kv_policy is not None and pool.llama.kv_policy.retains:
-            entry["kv_bytes"] = pool.llama.kv_memory().bytes  # every sequence's caches
         rows = sequence_stats(pool.llama, pool.views, turn)
     finally:
         pool.views[0]._turns.give(turn)
+    entry["n_ctx_seq"] = pool.views[0]._n_ctx
     entry["sequences"] = [dict(row, busy=v not in pool.free) for v, row in zip(pool.views, rows)]
     entry["n_tokens"] = sum(row["n_tokens"] for row in entry["sequences"])
+    if pool.llama.kv_policy is not None and pool.llama.kv_policy.retains:
+        # a policy's caches are per sequence: each sequence row has its layers, budget and telemetry; the top level
+        # adds them up per layer (llama.cpp's own cache is one, its layers already count every sequence)
+        seqs = entry["sequences"]
+        entry["layers"] = [{"layer": rows_l[0]["layer"], **{k: sum(r[k] for r in rows_l)
+                                                             for k in ("n_cells", "n_used", "bytes", "n_evicted")}}
+                           for rows_l in zip(*(r["layers"] for r in seqs))]
+        entry["kv_bytes"] = sum(r["kv_bytes"] for r in seqs)  # kv_bytes_peak stays the memory's, of all sequences
+        entry["n_evicted"] = sum(r["n_evicted"] for r in seqs)
+        for key in ("budget", "telemetry"):
+            entry.pop(key, None)
     return entry
 
 
@@ -249,6 +262,10 @@ def create_app(server_settings: ServerSettings, model_settings: List[KVModelSett
     n_parallel = max(getattr(m, "n_parallel", 1) for m in model_settings)
     if n_parallel > 1 and len(model_settings) > 1:
         raise ValueError("n_parallel > 1 serves one model: give the config file one model, or n_parallel 1")
+    if n_parallel > 1 and any(getattr(m, "embedding", False) for m in model_settings):
+        # llama-cpp-python embeds a request's inputs as sequences of their own, the sequences --n_parallel gives to
+        # requests
+        raise ValueError("--embedding serves one request at a time: leave --n_parallel at 1")
     server_app.LlamaProxy = KVLlamaProxy
     install_error_mapping()
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)

@@ -129,35 +129,40 @@ def install_error_mapping() -> None:
     publisher = server_app.get_event_publisher
 
     async def get_event_publisher(**kwargs: Any) -> None:
-        kwargs["llama_call"] = errors_as_events(kwargs["llama_call"])
+        kwargs["llama_call"] = errors_as_events(kwargs["llama_call"], kwargs.get("body"))
         await publisher(**kwargs)
 
     server_app.get_event_publisher = get_event_publisher
 
 
-def stream_error(exc: Exception) -> Dict[str, Any]:
-    """The event that ends a stream whose generation raised."""
+def stream_error(exc: Exception, body: Any = None) -> Dict[str, Any]:
+    """The event that ends a stream whose generation raised: the error object the request would have had unstreamed
+    (llama-cpp-python's own wording and code for a prompt too long for the context)."""
     if isinstance(exc, ValueError):
+        for pattern, formatter in RouteErrorHandler.pattern_and_formatters.items():
+            match = pattern.search(str(exc))
+            if match and body is not None:
+                return {"error": dict(formatter(body, match)[1])}
         return {"error": error_body(str(exc))}
     print(f"Exception: {exc}", file=sys.stderr)
     traceback.print_exception(exc, file=sys.stderr)
     return {"error": error_body(str(exc) or type(exc).__name__, kind="server_error")}
 
 
-def errors_as_events(call: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+def errors_as_events(call: Callable[..., Iterator[Any]], body: Any = None) -> Callable[..., Iterator[Any]]:
     """A streaming call whose error, at its start or later, is yielded as an error event instead of raised."""
 
     def run(llama: Any, **kwargs: Any) -> Iterator[Any]:
         try:
             chunks = call(llama, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to the client as the stream's last event
-            return iter([stream_error(exc)])
+            return iter([stream_error(exc, body)])
 
         def events() -> Iterator[Any]:
             try:
                 yield from chunks
             except Exception as exc:  # noqa: BLE001
-                yield stream_error(exc)
+                yield stream_error(exc, body)
 
         return events()
 

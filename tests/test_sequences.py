@@ -155,3 +155,39 @@ def test_bad_arguments(model_path):
     with pytest.raises(ValueError, match="n_ctx/n_seq_max = 512"):
         llm.generate_batch([[1] * 500], 16)
     llm.close()
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_sequence_views_share_the_model_and_the_context(model_path):
+    """The server's --n_parallel views: no view loads the model or builds a context again (a copy.copy of a
+    llama-cpp-python Llama would: its __setstate__ runs __init__)."""
+    from pykvcache.parallel import sequence_views
+
+    llm = Llama(model_path, n_ctx=4*N_CTX_SEQ, n_seq_max=4, verbose=False, kv_policy="snapkv:budget=64")
+    before = _rss_mib()
+    views = sequence_views(llm)
+    assert len(views) == 4 and _rss_mib() - before < 20  # the model alone is ~100 MiB, each context more
+    assert all(v._model is llm._model and v._ctx._inner is llm._ctx for v in views)
+    assert views[1].create_completion("The capital of France is", max_tokens=4, temperature=0)["choices"][0]["text"]
+    llm.close()
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.5", "entropy:budget=64"])
+def test_embeddings_under_a_retention_policy_hold_one_sequence(model_path, spec):
+    """llama-cpp-python gives an embedding context 256 sequences (one per batched input); a retention policy has caches
+    of its own per sequence, so there it holds n_seq_max (1) and embeds one input per batch, with the same vectors."""
+    texts = ["hello world", "the cat sat on the mat", "KV caches bound the context a laptop can hold"]
+    llm = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, embedding=True, kv_policy=spec)
+    assert llama_cpp.llama_n_seq_max(llm._ctx.ctx) == 1 and llm.context_params.n_seq_max == 1
+    assert llm.kv_memory().bytes < 30 * 2**20  # 256 sequences' caches were ~4 GiB at n_ctx 2048
+    got = llm.embed(texts)
+    llm.close()
+    ref = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, embedding=True)
+    assert llama_cpp.llama_n_seq_max(ref._ctx.ctx) > 1  # llama-cpp-python's own choice stays without a policy
+    for text, g in zip(texts, got):  # each alone: llama-cpp-python 0.3.36 misreads the token vectors of a batch's
+        assert np.array_equal(np.array(g), np.array(ref.embed(text)))  # later inputs when pooling is none
+    ref.close()

@@ -163,7 +163,10 @@ def test_a_stream_that_fails_ends_with_an_error_event(server):
         events = [line[len(b"data: "):].strip() for line in resp.read().splitlines() if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     err = json.loads(events[-2])["error"]
-    assert err["type"] == "invalid_request_error" and "exceed context window" in err["message"]
+    # the error object the same request gets unstreamed (with its 400), as llama-cpp-python words it
+    status, res = post(server, json.dumps({"prompt": "word " * 3000, "max_tokens": 4}).encode())
+    assert status == 400 and err == res["error"] and err["code"] == "context_length_exceeded"
+    assert err["type"] == "invalid_request_error" and "maximum context length" in err["message"]
 
 
 def test_bad_policy_stops_the_server_with_one_line(tmp_path):
@@ -261,10 +264,17 @@ def test_parallel_requests_run_at_once_each_as_alone(parallel_server, model_path
     (m,) = kv_stats(parallel_server)
     assert m["n_parallel"] == 3 and len(m["sequences"]) == 3
     assert all(row["n_tokens"] > 10 and row["budget"] == 64 and not row["busy"] for row in m["sequences"])
-    # the top-level layers are one sequence's, the same at every poll (reading the sequences selects each in turn)
-    (again,) = kv_stats(parallel_server)
-    assert again["layers"] == m["layers"]
-    assert sum(row["n_used"] for row in m["layers"]) in [row["n_active"] for row in m["sequences"]]
+    # each sequence has its own caches; the top level adds them up, so its totals are those of its rows
+    assert m["n_ctx"] == 1536 and m["n_ctx_seq"] == 512 and all(row["n_ctx"] == 512 for row in m["sequences"])
+    for row in m["sequences"]:
+        assert sum(layer["n_used"] for layer in row["layers"]) == row["n_active"]
+        assert sum(layer["bytes"] for layer in row["layers"]) == row["kv_bytes"]
+    assert sum(layer["bytes"] for layer in m["layers"]) == m["kv_bytes"] == sum(r["kv_bytes"] for r in m["sequences"])
+    assert sum(layer["n_used"] for layer in m["layers"]) == sum(r["n_active"] for r in m["sequences"])
+    assert sum(layer["n_evicted"] for layer in m["layers"]) == m["n_evicted"] > 0
+    assert m["kv_bytes_peak"] >= m["kv_bytes"]
+    (again,) = kv_stats(parallel_server)  # reading the sequences selects each in turn: the same at every poll
+    assert again["layers"] == m["layers"] and again["sequences"] == m["sequences"]
 
 
 def test_parallel_server_survives_disconnects_and_bad_requests(parallel_server):
@@ -288,6 +298,13 @@ def test_parallel_with_several_models_is_refused(tmp_path, model_path):
     res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(path)], cwd="/",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "n_parallel > 1 serves one model" in res.stderr
+
+
+def test_parallel_embeddings_are_refused_at_start(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--embedding", "true", "--n_parallel", "2"],
+                         cwd="/", capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--embedding serves one request at a time" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_serve_help_reads_clean():
