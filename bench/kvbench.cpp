@@ -54,6 +54,7 @@ struct kvbench_result {
     int32_t     n_prompt = 0;
     int32_t     n_gen    = 0;
     int32_t     n_depth  = 0;
+    int32_t     n_ctx    = 0; // the context it ran in
 
     std::vector<double> pp_ts; // prefill tokens/s, one per repetition
     std::vector<double> tg_ts; // decode tokens/s, one per repetition
@@ -83,7 +84,8 @@ struct kvbench_result {
     int64_t n_rerank        = 0; // latent re-rankings (per layer)
     int64_t n_promote       = 0; // host tokens made active by a re-ranking
 
-    // ratios to `full` at the same configuration (0: no full row)
+    // ratios to `full` at the same configuration (has_ref: there is one)
+    bool   has_ref  = false;
     double pp_ratio = 0.0;
     double tg_ratio = 0.0;
     double kv_ratio = 0.0;
@@ -102,6 +104,27 @@ struct kvbench_result {
     std::vector<double> lim_step_t;           // the limit's decode steps (s)
 };
 
+// one test: the tokens in the context before the prompt, the prompt, the tokens generated
+struct kvbench_test {
+    int32_t n_depth;
+    int32_t n_prompt;
+    int32_t n_gen;
+};
+
+// a test's context size: -c, else depth + prompt + gen (as llama-bench sizes each test), raised to what the policy
+// needs (a budget in tokens, the observation window, the tokens always kept), padded to 256
+static uint32_t kvbench_n_ctx(const kvbench_params & params, const llama_kvp_policy & pol, const kvbench_test & t) {
+    if (params.n_ctx > 0) {
+        return (uint32_t) params.n_ctx;
+    }
+    int64_t n = t.n_depth + t.n_prompt + t.n_gen;
+    if (pol.budget >= 1.0f && pol.budget <= 1.0e6f) { // a count of tokens (larger values are the engine's "all")
+        n = std::max<int64_t>(n, (int64_t) std::ceil(pol.budget));
+    }
+    n = std::max<int64_t>(n, std::max<int64_t>(pol.window, (int64_t) pol.n_sink + pol.n_recent));
+    return (uint32_t) std::max<int64_t>(256, (n + 255)/256*256);
+}
+
 static void kvbench_usage(const char * argv0) {
     printf("usage: %s [options]\n\n", argv0);
     printf("Benchmarks KV-cache policies of pykvcache against the full cache, in one run.\n\n");
@@ -113,19 +136,23 @@ static void kvbench_usage(const char * argv0) {
     printf("                            snapkv:budget=0.1+entropy; listed below);\n");
     printf("                            'full' (llama.cpp's cache) is always run first, as the reference of the ratios\n");
     printf("                            (default: full, sink_recent, snapkv, h2o, pyramid, entropy at budget 0.25)\n");
-    printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512)\n");
+    printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512); with lists, every combination of\n");
+    printf("                            -d, -p and -n is one test (a row), in a context of its own\n");
     printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed (default: 128)\n");
     printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
     printf("                            a fractional budget is a fraction of depth + prompt\n");
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
     printf("  -t, --threads N           CPU threads (default: the hardware threads of the machine)\n");
     printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
-    printf("  -c, --ctx-size N          context size (default: the largest depth + prompt + gen, padded to 256)\n");
+    printf("  -c, --ctx-size N          context size of every test (default: each test's depth + prompt + gen, raised to a\n");
+    printf("                            policy's budget in tokens, padded to 256; the full cache's KV bytes, the reference of\n");
+    printf("                            KV x, are those of the test's own context)\n");
     printf("  -b, --batch-size N        logical and physical batch size (default: 512)\n");
     printf("  -fa, --flash-attn on|off  flash attention (default: on)\n");
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
-    printf("  -o, --output md|json|csv  output format on stdout (default: md)\n");
+    printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
+    printf("                            a run that fails part way prints the tests measured before it and exits 1\n");
     printf("  --no-limit                do not measure the physical limit of the retention policies\n");
     printf("  --no-progress             do not print progress on stderr\n");
     printf("  -v, --verbose             show llama.cpp's log\n");
@@ -151,8 +178,20 @@ static void kvbench_usage(const char * argv0) {
 // returns 0 to run, 1 for --help, throws on bad input
 static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
     for (int i = 1; i < argc; ++i) {
-        const std::string arg = argv[i];
+        std::string arg = argv[i];
+        // --option=value, as well as --option value
+        std::string inline_value;
+        bool has_inline = false;
+        if (arg.rfind("--", 0) == 0 && arg.find('=') != std::string::npos) {
+            inline_value = arg.substr(arg.find('=') + 1);
+            arg          = arg.substr(0, arg.find('='));
+            has_inline   = true;
+        }
         auto value = [&]() -> std::string {
+            if (has_inline) {
+                has_inline = false;
+                return inline_value;
+            }
             if (i + 1 >= argc) {
                 throw std::invalid_argument(arg + ": missing value");
             }
@@ -195,8 +234,8 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.seed = (uint32_t) kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-o" || arg == "--output") {
             params.output = value();
-            if (params.output != "md" && params.output != "json" && params.output != "csv") {
-                throw std::invalid_argument(arg + ": expected md, json or csv, got '" + params.output + "'");
+            if (params.output != "md" && params.output != "json" && params.output != "jsonl" && params.output != "csv") {
+                throw std::invalid_argument(arg + ": expected md, json, jsonl or csv, got '" + params.output + "'");
             }
         } else if (arg == "--no-limit") {
             params.limit = false;
@@ -206,6 +245,9 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.verbose = true;
         } else {
             throw std::invalid_argument("unknown argument: " + arg + " (see --help)");
+        }
+        if (has_inline) {
+            throw std::invalid_argument(arg + ": takes no value");
         }
     }
     return 0;
@@ -574,68 +616,100 @@ static std::string kvbench_fig(const std::vector<double> & samples, double v, co
     return buf;
 }
 
-static void kvbench_print_json_row(const kvbench_result & r, bool last) {
+// a figure that exists only where `ok` (a row with a full-cache reference, a row with a limit), else `none`
+static std::string kvbench_opt(bool ok, double v, const char * fmt, const char * none) {
+    return kvbench_fig(ok ? std::vector<double>{ v } : std::vector<double>{}, v, fmt, none);
+}
+
+// one row as a JSON object: indented over lines (json), or on one line after `head` (jsonl, as llama-bench's);
+// null where a figure was not measured (a limit row has no KV bytes, a row without a limit no limit figures)
+static void kvbench_print_json_row(const kvbench_result & r, const std::string & head, const char * sep, const char * end) {
     double pp, pp_sd, tg, tg_sd;
     kvbench_mean_sd(r.pp_ts, pp, pp_sd);
     kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-    printf("    {\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d,\n",
-            kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
-            r.n_prompt, r.n_gen, r.n_depth);
-    printf("     \"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,\n",
+    const bool lim = !r.lim_tg_ts.empty();
+    const bool mem = !r.kv_layer_bytes.empty();
+    printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,%s",
+            head.c_str(), kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
+            r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(), sep);
+    printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
             kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
             kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
-            kvbench_fig(r.tg_ts, tg_sd, "%.3f", "null").c_str(), kvbench_json_list(r.tg_ts).c_str());
-    printf("     \"kv_bytes\": %" PRId64 ", \"kv_bytes_peak\": %" PRId64 ", \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,\n",
-            r.kv_bytes, r.kv_bytes_peak, kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str());
-    printf("     \"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,\n",
-            r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused);
-    printf("     \"pp_ratio\": %s, \"tg_ratio\": %s, \"kv_ratio\": %.4f, \"kv_peak_ratio\": %.4f,\n",
-            kvbench_fig(r.pp_ts, r.pp_ratio, "%.4f", "null").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.4f", "null").c_str(),
-            r.kv_ratio, r.peak_ratio);
-    printf("     \"n_recover\": [%d, %d, %d, %d],\n", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
-    printf("     \"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
-           " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",\n",
-            r.host ? "true" : "false", r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
-    printf("     \"limit_depth\": %d, \"limit_tg_ts\": %.3f, \"limit_tg_ts_sd\": %.3f, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %.6f,"
+            kvbench_fig(r.tg_ts, tg_sd, "%.3f", "null").c_str(), kvbench_json_list(r.tg_ts).c_str(), sep);
+    printf("\"kv_bytes\": %s, \"kv_bytes_peak\": %s, \"kv_layer_bytes\": %s, \"kv_layer_cells\": %s,%s",
+            kvbench_opt(mem, (double) r.kv_bytes, "%.0f", "null").c_str(),
+            kvbench_opt(mem, (double) r.kv_bytes_peak, "%.0f", "null").c_str(),
+            kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str(), sep);
+    printf("\"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,%s",
+            r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused, sep);
+    printf("\"pp_ratio\": %s, \"tg_ratio\": %s, \"kv_ratio\": %s, \"kv_peak_ratio\": %s,%s",
+            kvbench_fig(r.has_ref ? r.pp_ts : std::vector<double>{}, r.pp_ratio, "%.4f", "null").c_str(),
+            kvbench_fig(r.has_ref ? r.tg_ts : std::vector<double>{}, r.tg_ratio, "%.4f", "null").c_str(),
+            kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "null").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "null").c_str(), sep);
+    printf("\"n_recover\": [%d, %d, %d, %d],%s", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3], sep);
+    printf("\"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
+           " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",%s",
+            r.host ? "true" : "false", r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, sep);
+    printf("\"limit_depth\": %s, \"limit_tg_ts\": %s, \"limit_tg_ts_sd\": %s, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %s,"
            " \"density\": %.4f}%s\n",
-            r.limit_depth, r.limit_tg_ts, r.limit_tg_ts_sd, kvbench_json_list(r.lim_tg_ts).c_str(), r.tg_limit_ratio, r.density,
-            last ? "" : ",");
+            kvbench_opt(lim, r.limit_depth, "%.0f", "null").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "null").c_str(),
+            kvbench_opt(lim, r.limit_tg_ts_sd, "%.3f", "null").c_str(), kvbench_json_list(r.lim_tg_ts).c_str(),
+            kvbench_opt(lim, r.tg_limit_ratio, "%.6f", "null").c_str(), r.density, end);
 }
 
 // limits: the physical limit measurements (full cache at depth B), after the rows
 static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
                           const std::vector<kvbench_result> & limits) {
+    char run[4096];
+    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"flash_attn\": %s, \"repetitions\": %d, \"tokens\": %s, ",
+            kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps,
+            kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
                 kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps);
         printf("  \"tokens\": %s,\n  \"results\": [\n", kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
-            kvbench_print_json_row(results[i], i + 1 == results.size());
+            printf("    ");
+            kvbench_print_json_row(results[i], "", "\n     ", i + 1 == results.size() ? "" : ",");
         }
         printf("  ],\n  \"limits\": [\n");
         for (size_t i = 0; i < limits.size(); ++i) {
-            kvbench_print_json_row(limits[i], i + 1 == limits.size());
+            printf("    ");
+            kvbench_print_json_row(limits[i], "", "\n     ", i + 1 == limits.size() ? "" : ",");
         }
         printf("  ]\n}\n");
         return;
     }
+    if (params.output == "jsonl") {
+        // one object per row, the limits after the rows; the run's settings in each (as llama-bench's jsonl)
+        for (const auto & r : results) {
+            kvbench_print_json_row(r, run, " ", "");
+        }
+        for (const auto & l : limits) {
+            kvbench_print_json_row(l, run, " ", "");
+        }
+        return;
+    }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%.4f,%.4f,%d,%.3f,%.4f,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 "\n",
+            const bool lim = !r.lim_tg_ts.empty();
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%s,%s,%s,%s,%s,%.4f,"
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
                     r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead,
-                    kvbench_fig(r.pp_ts, r.pp_ratio, "%.4f", "").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.4f", "").c_str(),
-                    r.kv_ratio, r.peak_ratio,
-                    r.limit_depth, r.limit_tg_ts, r.tg_limit_ratio, r.density,
-                    r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote);
+                    kvbench_fig(r.has_ref ? r.pp_ts : std::vector<double>{}, r.pp_ratio, "%.4f", "").c_str(),
+                    kvbench_fig(r.has_ref ? r.tg_ts : std::vector<double>{}, r.tg_ratio, "%.4f", "").c_str(),
+                    kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "").c_str(),
+                    kvbench_opt(lim, r.limit_depth, "%.0f", "").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "").c_str(),
+                    kvbench_opt(lim, r.tg_limit_ratio, "%.4f", "").c_str(), r.density,
+                    r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx);
         }
         return;
     }
@@ -760,19 +834,36 @@ int main(int argc, char ** argv) {
         return 1;
     }
 
+    // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size
+    std::vector<kvbench_test> tests;
     int32_t n_need = 0;
     for (int32_t d : params.n_depth) {
         for (int32_t p : params.n_prompt) {
             for (int32_t g : params.n_gen) {
+                if (p == 0 && g == 0) {
+                    fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (depth %d)\n", d);
+                    llama_model_free(model);
+                    return 1;
+                }
+                if (params.n_ctx > 0 && d + p + g > params.n_ctx) {
+                    fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (-c %d)\n", d + p + g, params.n_ctx);
+                    llama_model_free(model);
+                    return 1;
+                }
+                tests.push_back({ d, p, g });
                 n_need = std::max(n_need, d + p + g);
             }
         }
     }
-    const int32_t n_ctx = params.n_ctx > 0 ? params.n_ctx : std::max<int32_t>(256, (n_need + 255)/256*256);
-    if (n_need > n_ctx) {
-        fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (%d)\n", n_need, n_ctx);
-        llama_model_free(model);
-        return 1;
+    if (params.n_gpu_layers > 0 && !llama_supports_gpu_offload()) {
+        fprintf(stderr, "kvbench: warning: this build has no GPU backend, -ngl %d offloads nothing\n", params.n_gpu_layers);
+    }
+    if (!params.flash_attn) {
+        for (const auto & kp : pols) {
+            if (kvbench_describe(kp.pol).sparse) {
+                fprintf(stderr, "kvbench: warning: %s: sparse prefill needs flash attention, with -fa off its prompts run dense\n", kp.label.c_str());
+            }
+        }
     }
 
     std::vector<llama_token> tokens;
@@ -785,65 +876,70 @@ int main(int argc, char ** argv) {
     }
 
     std::vector<kvbench_result> results;
-    llama_context * ctx_full = nullptr;    // the full cache's context, kept for the limits
+    std::vector<llama_context *> ctx_lims(tests.size(), nullptr); // the full cache's context of each test, kept for the limits
     int rc = 0;
     for (const auto & kp : pols) {
         const std::string     & name = kp.label;
         const llama_kvp_policy & pol = kp.pol;
-        llama_context_params cparams = llama_context_default_params();
-        cparams.n_ctx    = n_ctx;
-        cparams.n_batch  = params.n_batch;
-        cparams.n_ubatch = params.n_batch;
-        cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        cparams.n_threads       = params.n_threads;
-        cparams.n_threads_batch = params.n_threads;
-        if (!kvbench_is_full(pol) && llama_kvp_set_pending(&pol) != 0) {
-            fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
-            rc = 1;
-            break;
-        }
-        llama_context * ctx = llama_init_from_model(model, cparams);
-        llama_kvp_clear_pending();
-        if (!ctx) {
-            fprintf(stderr, "kvbench: %s: cannot create the context: %s\n", name.c_str(), llama_kvp_last_error());
-            rc = 1;
-            break;
-        }
-        try {
-            for (int32_t d : params.n_depth) {
-                for (int32_t p : params.n_prompt) {
-                    for (int32_t g : params.n_gen) {
-                        kvbench_result r;
-                        r.policy   = kp.spec.substr(0, kp.spec.find(':'));
-                        r.label    = kp.label;
-                        r.spec     = kp.spec;
-                        r.n_prompt = p;
-                        r.n_gen    = g;
-                        r.n_depth  = d;
-                        kvbench_run_test(ctx, pol, tokens, params, r, kvbench_is_full(pol) ? nullptr : ctx_full);
-                        results.push_back(std::move(r));
-                    }
-                }
+        const bool full = kvbench_is_full(pol);
+        for (size_t it = 0; it < tests.size() && rc == 0; ++it) {
+            const kvbench_test & t = tests[it];
+            llama_context_params cparams = llama_context_default_params();
+            cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
+            cparams.n_batch  = params.n_batch;
+            cparams.n_ubatch = params.n_batch;
+            cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            cparams.n_threads       = params.n_threads;
+            cparams.n_threads_batch = params.n_threads;
+            if (!full && llama_kvp_set_pending(&pol) != 0) {
+                fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
+                rc = 1;
+                break;
             }
-        } catch (const std::exception & e) {
-            fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
-            rc = 1;
-        }
-        if (rc == 0 && params.limit && !ctx_full && kvbench_is_full(pol)) {
-            ctx_full = ctx;
-        } else {
-            llama_free(ctx);
+            llama_context * ctx = llama_init_from_model(model, cparams);
+            llama_kvp_clear_pending();
+            if (!ctx) {
+                fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", name.c_str(), cparams.n_ctx,
+                        llama_kvp_last_error());
+                rc = 1;
+                break;
+            }
+            kvbench_result r;
+            r.policy   = kp.spec.substr(0, kp.spec.find(':'));
+            r.label    = kp.label;
+            r.spec     = kp.spec;
+            r.n_prompt = t.n_prompt;
+            r.n_gen    = t.n_gen;
+            r.n_depth  = t.n_depth;
+            r.n_ctx    = (int32_t) cparams.n_ctx;
+            try {
+                kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
+                results.push_back(std::move(r));
+            } catch (const std::exception & e) {
+                fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
+                rc = 1;
+            }
+            if (rc == 0 && params.limit && full && !ctx_lims[it]) {
+                ctx_lims[it] = ctx;
+            } else {
+                llama_free(ctx);
+            }
         }
         if (rc != 0) {
             break;
         }
     }
-    if (ctx_full) {
-        llama_free(ctx_full);
+    for (llama_context * ctx : ctx_lims) {
+        if (ctx) {
+            llama_free(ctx);
+        }
     }
     llama_model_free(model);
     if (rc != 0) {
-        return rc;
+        if (results.empty()) {
+            return rc;
+        }
+        fprintf(stderr, "kvbench: the %zu test(s) measured before the failure follow\n", results.size());
     }
 
     // ratios to full at the same configuration
@@ -855,6 +951,7 @@ int main(int argc, char ** argv) {
             double a, b, sd;
             kvbench_mean_sd(r.pp_ts, a, sd);
             kvbench_mean_sd(f.pp_ts, b, sd);
+            r.has_ref  = true;
             r.pp_ratio = b > 0 ? a/b : 0.0;
             kvbench_mean_sd(r.tg_ts, a, sd);
             kvbench_mean_sd(f.tg_ts, b, sd);
@@ -896,5 +993,5 @@ int main(int argc, char ** argv) {
     }
     const std::vector<kvbench_result> limits = kvbench_pool_limits(results);
     kvbench_print(params, params.model, results, limits);
-    return 0;
+    return rc;
 }

@@ -67,7 +67,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert sorted(x["n_depth"] for x in out["limits"]) == [64]  # 64 tokens each; h2o: half of the 128-token prompt
     lim = out["limits"][0]
     assert lim["policy"] == "full" and lim["n_gen"] == 4 and lim["tg_ts"] > 0
-    assert rows["full"]["tg_limit_ratio"] == 0 and rows["full"]["limit_depth"] == 0
+    assert rows["full"]["tg_limit_ratio"] is None and rows["full"]["limit_depth"] is None  # not measured: null
     for label in ("sink_recent:n_sink=4,n_recent=60", "snapkv:budget=64,chunk=32+entropy",
                   "h2o:budget=0.5,n_recent=8,chunk=32"):
         r = rows[label]
@@ -83,10 +83,11 @@ def test_kvbench_measures_the_physical_limit(model_path):
     md = kvbench(*args, model_path=model_path).stdout
     assert "| x limit |" in md and "| limit:d=64 |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
-    assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0] and csv[0].endswith("n_rerank,n_promote")
+    assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0] and csv[0].endswith("n_rerank,n_promote,n_ctx")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
-    assert none["limits"] == [] and all(r["tg_limit_ratio"] == 0 for r in none["results"])
+    assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])
+    assert lim["kv_ratio"] is None and lim["kv_bytes"] is None and lim["tg_ratio"] is None  # a limit row has no memory
 
 
 @pytest.mark.parametrize("args, message", [
@@ -94,16 +95,50 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["--policy", "snapkv+bogus"], "unknown stage 'bogus'"),
     (["-p", "abc"], "-p: expected integers"),
     (["-r", "0"], "-r: expected integers >= 1"),
-    (["-o", "xml"], "expected md, json or csv"),
+    (["-o", "xml"], "expected md, json, jsonl or csv"),
     (["--policy", "snapkv:budget=0"], "budget must be"),
     (["--policy", "nope"], "nope"),
     (["-m", "/no/such/model.gguf"], "model file not found"),
     (["-p", "512", "-c", "256"], "exceeds the context size"),
+    (["-p", "0", "-n", "0"], "-p 0 with -n 0 measures nothing"),
+    (["--no-limit=1"], "--no-limit: takes no value"),
+    (["-o", "sql"], "expected md, json, jsonl or csv"),
 ])
 def test_kvbench_bad_arguments_fail_with_a_message(args, message):
     p = kvbench(*args)
     assert p.returncode != 0
     assert message in p.stderr
+
+
+def test_kvbench_sizes_each_test_as_llama_bench(model_path):
+    """Each (depth, prompt, gen) runs in a context of its own size, so a row's KV x is against the full cache that test
+    needs, whatever else is in the sweep; a budget in tokens raises its policy's context."""
+    def rows(*args):
+        p = kvbench("-n", "2", "-r", "1", "-t", "2", "--no-limit", "-o", "json", *args, model_path=model_path)
+        assert p.returncode == 0, p.stderr
+        return {(r["label"], r["n_prompt"]): r for r in json.loads(p.stdout)["results"]}
+
+    alone = rows("-p", "64", "--policy", "snapkv:budget=0.25")
+    sweep = rows("-p", "64,600", "--policy", "snapkv:budget=0.25", "--policy=snapkv:budget=512")  # --flag=value too
+    assert sweep[("full", 64)]["n_ctx"] == 256 and sweep[("full", 600)]["n_ctx"] == 768
+    assert sweep[("full", 64)]["kv_bytes"] == alone[("full", 64)]["kv_bytes"] == 30 * 256 * 768
+    assert sweep[("snapkv:budget=0.25", 64)]["kv_ratio"] == alone[("snapkv:budget=0.25", 64)]["kv_ratio"]
+    assert sweep[("snapkv:budget=512", 64)]["n_ctx"] == 512  # its budget, not the 66 tokens of the test
+
+
+def test_kvbench_keeps_the_rows_measured_before_a_failure(model_path):
+    p = kvbench("-p", "64", "-n", "2", "-r", "1", "-t", "2", "-c", "256", "--no-limit", "-o", "jsonl",
+                "--policy", "snapkv:budget=0.25", "--policy", "snapkv:budget=512", model_path=model_path)
+    assert p.returncode == 1 and "budget=512 is larger than the context" in p.stderr
+    lines = [json.loads(line) for line in p.stdout.splitlines()]  # jsonl: one row per line, the run's settings in each
+    assert [r["label"] for r in lines] == ["full", "snapkv:budget=0.25"]
+    assert all(r["n_threads"] == 2 and r["model"] == model_path and r["n_ctx"] == 256 for r in lines)
+
+
+def test_kvbench_says_when_sparse_prefill_cannot_run(model_path):
+    p = kvbench("-p", "64", "-n", "1", "-r", "1", "-t", "2", "-fa", "off", "--policy", "none+sparse",
+                model_path=model_path)
+    assert p.returncode == 0 and "sparse prefill needs flash attention" in p.stderr
 
 
 def test_kvbench_help_documents_every_flag():
@@ -121,6 +156,11 @@ def test_pykvcache_bench_wraps_kvbench(model_path):
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("policy,label,spec,") and len(lines) == 3
     assert lines[2].startswith("h2o,")
+    # its help is kvbench's under the name it is run by, with what the wrapper adds (the essays, --random)
+    p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "bench", "--help"], capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert p.returncode == 0 and p.stdout.startswith("usage: pykvcache bench [options]")
+    assert "without -f the essays" in p.stdout and "--random" in p.stdout
 
 
 def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
