@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 POLICY_HELP = (
     "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
@@ -206,10 +206,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _make_llama(args)
     t0 = time.perf_counter()
     n = 0
-    for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp, stream=True):
+
+    def count(_ids: Any, scores: Any) -> Any:  # called once per token sampled (a chunk may carry several)
+        nonlocal n
+        n += 1
+        return scores
+
+    from llama_cpp import LogitsProcessorList
+
+    for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp, stream=True,
+                                       logits_processor=LogitsProcessorList([count])):
         sys.stdout.write(chunk["choices"][0]["text"])
         sys.stdout.flush()
-        n += chunk["choices"][0]["finish_reason"] is None  # the last chunk only says why it stopped
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
     stats = llm.kv_stats()
@@ -291,12 +299,20 @@ def _run_tool(name: str, argv: List[str]) -> int:
         from . import corpus
 
         defaults += ["-f", str(corpus.essays_file())]
+    sub = "bench" if name == "kvbench" else name
+    if wants_help:  # the tool's help, under the name it is run by here, and what this command adds to it
+        sys.stdout.flush()
+        rc = _run_forwarding_signals([f"pykvcache {sub}"] + argv, name, executable=str(exe))
+        print(f"\npykvcache {sub}: without -m it runs the embedded model ($PYKVCACHE_MODEL, else SmolLM2-135M-Instruct "
+              f"Q4_1), and without -f the essays of the corpus (~/.cache/pykvcache/corpus, `python -m pykvcache.corpus`); "
+              f"--random: random tokens (seed -s), as {name} alone does.")
+        return rc
     return _run_forwarding_signals([str(exe)] + defaults + argv, name)
 
 
-def _run_forwarding_signals(cmd: List[str], name: str) -> int:
+def _run_forwarding_signals(cmd: List[str], name: str, executable: Optional[str] = None) -> int:
     # the tool gets the signals this process gets (Ctrl-C, a kill), and a crash of it is named
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, executable=executable)
     forwarded = {s: signal.signal(s, lambda sig, _frame: proc.send_signal(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         rc = proc.wait()
