@@ -125,8 +125,10 @@ class EvalConfig:
                     except PolicyError as exc:
                         raise EvalError(f"policy '{p}' at budget {b} of a {n}-token prompt "
                                         f"({int(round(b * n))} tokens): {exc}") from exc
-        if self.n_agree < 1 or self.threads < 1:
-            raise EvalError("n_agree and threads must be >= 1")
+        if self.threads < 1:
+            raise EvalError(f"-t/--threads must be >= 1 (got {self.threads})")
+        if self.n_agree < 1:
+            raise EvalError(f"n_agree must be >= 1 (got {self.n_agree})")
         if self.corpus not in corpus.CORPORA:
             raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
         if self.needles not in NEEDLE_SETS:
@@ -365,14 +367,15 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     cfg.validate()
     prog = Progress(1 + (cfg.prefill is not None) + len(cfg.policies) * len(cfg.budgets), quiet)
 
-    full = Runner(None, cfg)
+    # the texts first, with a small context: a text too short for the settings fails before n_ctx is allocated
+    small = Llama(n_ctx=256, verbose=False, **({"model_path": cfg.model_path} if cfg.model_path else {}))
     try:
-        tokens, hay_text = eval_texts(cfg, full.llm)
+        tokens, hay_text = eval_texts(cfg, small)
         cases = [c for n in cfg.needle_lengths
-                 for c in needle_cases(full.llm, hay_text, n, cfg.depths, cfg.seed, cfg.needles)]
-    except EvalError:
-        full.close()
-        raise
+                 for c in needle_cases(small, hay_text, n, cfg.depths, cfg.seed, cfg.needles)]
+    finally:
+        small.close()
+    full = Runner(None, cfg)
 
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))

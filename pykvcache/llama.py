@@ -388,19 +388,22 @@ class Llama(llama_cpp.Llama):
                         n_active=int(info.n_active), seq=int(info.seq))
 
     def kv_retained(self) -> np.ndarray:
-        """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted)."""
+        """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted); after
+        reset(), which empties the cache only at the next eval (as llama-cpp-python's), as wide as what it holds."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n_layer = lib.llama_kvp_n_layers(ctx)
         if n_layer < 0:
             raise RuntimeError(last_error())
-        n_pos = max(int(self.n_tokens), 1)
-        res = np.zeros((n_layer, n_pos), dtype=bool)
+        held = []
         for s, layer in enumerate(self.kv_stats().layers):
             pos = np.zeros(layer.n_cells, dtype=np.int32)
             if lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0:
                 raise RuntimeError(last_error())
-            pos = pos[(pos >= 0) & (pos < n_pos)]
+            held.append(pos[pos >= 0])
+        n_pos = max([int(self.n_tokens), 1] + [int(p.max()) + 1 for p in held if p.size])
+        res = np.zeros((n_layer, n_pos), dtype=bool)
+        for s, pos in enumerate(held):
             res[s, pos] = True
         return res
 
@@ -591,9 +594,14 @@ class Llama(llama_cpp.Llama):
         ffi, lib = native()
         ctx = self._native_ctx()
         pol = self._kv_policy
-        sparse_only = pol is not None and pol.sparse and not pol.observes
+        if pol is None:
+            raise PolicyError("kv_telemetry needs a policy that observes attention (kv_policy=Observe(...), snapkv, h2o, "
+                              "pyramid, entropy); this context has llama.cpp's own cache (kv_stats() shows its memory)")
+        # a policy that observes nothing (sink_recent, sparse prefill alone) has no attention to show, but its
+        # budgets, kept tokens and sparse prefill maps
+        observes_nothing = not pol.observes
         info = ffi.new("struct llama_kvp_obs_info *")
-        if not sparse_only and lib.llama_kvp_obs_info(ctx, info) != 0:
+        if not observes_nothing and lib.llama_kvp_obs_info(ctx, info) != 0:
             raise PolicyError(last_error())
         stats = self.kv_stats()
         common: Dict[str, Any] = dict(
@@ -606,7 +614,7 @@ class Llama(llama_cpp.Llama):
             summary=self.kv_summary() if pol is not None and pol.describe()["stages"]["fate"] == "summarise" else None,
             host=self.kv_host() if pol is not None and pol.describe()["stages"]["fate"] == "host" else None,
         )
-        if sparse_only:  # nothing observed
+        if observes_nothing:  # nothing observed: empty attention arrays
             empty = np.zeros((len(stats.layers), 0), dtype=np.float32)
             return KVTelemetry(positions=np.zeros(0, dtype=np.int64), entropy=empty, mass=empty, mass_acc=empty,
                                window=0, n_queries=0, n_obs=0, **common)

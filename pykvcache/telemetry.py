@@ -109,7 +109,7 @@ class KVMemory:
     layers: List[LayerBudget]
     host_bytes: int = 0
     host_bytes_peak: int = 0
-    n_active: int = 0  # cells in use, all layers of the current sequence
+    n_active: int = 0  # cells in use, all layers of the current sequence (no retention policy: of llama.cpp's cache)
     seq: int = 0  # the current sequence (of n_seq_max; the one whose tokens were decoded last, or selected)
 
     @property
@@ -183,6 +183,13 @@ class SparseTelemetry:
         ax_density.set_title(f"key blocks computed (all: {self.total_density:.2f})")
         ax_density.set_xlabel("density")
         ax_density.set_ylabel("layer")
+
+
+def _plot_title(policy: str) -> str:
+    """A plot's title: the policy's canonical spec, wrapped (it names every key)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(f"pykvcache telemetry  [{policy}]", 150))
 
 
 @dataclass(frozen=True)
@@ -378,6 +385,13 @@ class KVTelemetry:
             Path(path).write_text(text)
         return text
 
+    def mass_by_position(self) -> np.ndarray:
+        """mass[n_layer, last position + 1]: column p is position p, NaN where no layer holds it any more."""
+        n_pos = int(self.positions[-1]) + 1 if len(self.positions) > 0 else 0
+        res = np.full((self.n_layer, n_pos), np.nan)
+        res[:, self.positions] = self.mass
+        return res
+
     def plot(self, path: "str | Path") -> Path:
         """Write a PNG: layer x head entropy heatmap and layer x position mass map."""
         import matplotlib
@@ -389,7 +403,7 @@ class KVTelemetry:
         if self.entropy.size == 0 and self.sparse is not None:  # sparse prefill only, nothing observed
             fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             self.sparse.plot_axes(axes[0], axes[1], axes[2], fig)
-            fig.suptitle(f"pykvcache telemetry  [{self.policy}]")
+            fig.suptitle(_plot_title(self.policy))
             fig.tight_layout()
             fig.savefig(path, dpi=110)
             plt.close(fig)
@@ -401,7 +415,7 @@ class KVTelemetry:
             if self.budgets is not None:
                 layer_ids = np.arange(len(self.budgets))
                 ax2.barh(layer_ids, self.budgets, color="tab:blue")
-                ax2.set_title("tokens kept per layer")
+                ax2.set_title("budget per layer")
                 ax2.set_xlabel("budget (tokens)")
                 ax2.set_ylabel("layer")
             else:
@@ -413,28 +427,36 @@ class KVTelemetry:
             fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             layer_ids = np.arange(len(self.budgets))
             ax2.barh(layer_ids, self.budgets, color="tab:blue")
-            ax2.set_title("tokens kept per layer")
+            ax2.set_title("budget per layer")
             ax2.set_xlabel("budget (tokens)")
             ax2.set_ylabel("layer")
             ax2.set_ylim(-0.5, len(self.budgets) - 0.5)
         else:
             fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2.2]})
-        im0 = ax0.imshow(self.entropy, aspect="auto", cmap="viridis", origin="lower")
+        if self.entropy.size > 0:
+            im0 = ax0.imshow(self.entropy, aspect="auto", cmap="viridis", origin="lower")
+            fig.colorbar(im0, ax=ax0)
+        else:  # a policy that observes nothing, or nothing observed yet
+            ax0.text(0.5, 0.5, "nothing observed", ha="center", va="center", transform=ax0.transAxes)
         ax0.set_title("attention entropy (nats)")
         ax0.set_xlabel("head")
         ax0.set_ylabel("layer")
-        fig.colorbar(im0, ax=ax0)
 
-        mass = np.log10(np.maximum(self.mass, 1e-6))
-        extent = None
         if len(self.positions) > 0:
-            extent = (float(self.positions[0]) - 0.5, float(self.positions[-1]) + 0.5, -0.5, self.n_layer - 0.5)
-        im1 = ax1.imshow(mass, aspect="auto", cmap="magma", origin="lower", extent=extent, interpolation="nearest")
-        ax1.set_title(f"attention mass of the last {self.n_queries} queries (log10, head mean)")
+            # one column per position, so that x is the token's position (and lines up with the host tier's map):
+            # positions that no layer holds any more are left blank
+            mass = np.log10(np.maximum(self.mass_by_position(), 1e-6))
+            cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
+            im1 = ax1.imshow(mass, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest",
+                             extent=(-0.5, mass.shape[1] - 0.5, -0.5, self.n_layer - 0.5))
+            ax1.set_title(f"attention mass of the last {self.n_queries} queries (log10, head mean; grey: held by no layer)")
+            fig.colorbar(im1, ax=ax1)
+        else:
+            ax1.text(0.5, 0.5, "nothing observed yet", ha="center", va="center", transform=ax1.transAxes)
+            ax1.set_title("attention mass")
         ax1.set_xlabel("position")
         ax1.set_ylabel("layer")
-        fig.colorbar(im1, ax=ax1)
-        fig.suptitle(f"pykvcache telemetry  [{self.policy}]")
+        fig.suptitle(_plot_title(self.policy))
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -75,8 +75,16 @@ def test_failure_loses_nothing(model_path):
 
 def test_telemetry_without_an_observing_policy(model_path):
     llm = Llama(model_path, n_ctx=128, verbose=False)
-    with pytest.raises(PolicyError, match="no observing policy"):
+    with pytest.raises(PolicyError, match="needs a policy that observes attention"):
         llm.kv_telemetry()
+    # a policy that observes nothing still shows what it keeps, with no attention to show
+    llm = Llama(model_path, n_ctx=128, verbose=False, kv_policy="sink_recent:n_sink=4,n_recent=12")
+    toks = llm.tokenize(b"one two three four five six seven eight nine ten eleven twelve thirteen fourteen")
+    llm.eval(toks)
+    tel = llm.kv_telemetry()
+    assert tel.entropy.shape == (30, 0) and tel.n_queries == 0 and tel.budgets == [16] * 30
+    assert tel.retained.shape == (30, len(toks))
+    assert (tel.retained.sum(axis=1) == [s.n_used for s in llm.kv_stats().layers]).all()
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):

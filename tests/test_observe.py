@@ -175,6 +175,26 @@ def test_telemetry_json_and_plot(model_path, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_the_mass_map_is_drawn_at_the_tokens_positions(model_path, tmp_path):
+    """After eviction the held positions have gaps: the map gives column p to position p (blank where no layer holds
+    it), so the plot's x axis is the position; a context that observed nothing yet plots without a warning."""
+    import warnings
+
+    llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="snapkv:budget=64,chunk=64")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.kv_telemetry().plot(tmp_path / "empty.png")
+    llm.eval(llm.tokenize(b"The lighthouse keeper counted the ships that passed the rocks each night. " * 30))
+    tel = llm.kv_telemetry()
+    gaps = np.setdiff1d(np.arange(tel.positions[-1] + 1), tel.positions)
+    assert len(gaps) > 100  # the policy evicted in every layer
+    m = tel.mass_by_position()
+    assert m.shape == (30, tel.positions[-1] + 1)
+    np.testing.assert_array_equal(m[:, tel.positions], tel.mass)
+    assert np.isnan(m[:, gaps]).all()
+    assert tel.plot(tmp_path / "t.png").stat().st_size > 10_000
+
+
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_exported_queries_keys_and_values_are_the_models(model_path, prose_reference, flash_attn):
     """kv_queries and kv_layer give the window's post-RoPE queries and the cache's K and V (V transposed in the cache

@@ -38,6 +38,14 @@ def test_used_cells_follow_the_tokens(model_path):
     toks = llm.tokenize(b"one two three four five six")
     llm.eval(toks)
     assert all(s.n_used == len(toks) for s in llm.kv_stats().layers)
+    assert llm.kv_memory().n_active == 30 * len(toks)  # llama.cpp's own cache too, as a retention policy's
+
+
+def test_the_full_cache_counts_its_active_cells(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    toks = llm.tokenize(b"one two three four five six")
+    llm.eval(toks)
+    assert llm.kv_memory().n_active == sum(s.n_used for s in llm.kv_stats().layers) == 30 * len(toks)
 
 
 def test_stats_of_a_sliding_window_model(tiny_gemma3):

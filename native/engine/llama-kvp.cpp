@@ -370,6 +370,9 @@ int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memor
         }
         out->bytes      = bytes;
         out->bytes_peak = bytes;
+        for (auto * kv : llama_kvp_caches(ctx)) { // llama.cpp's own cache: its cells in use, in every layer
+            out->n_active += (int32_t) llama_kvp_kv_access::n_used(*kv)*llama_kvp_kv_access::n_layers(*kv);
+        }
         return 0;
     }
     out->per_layer  = 1;

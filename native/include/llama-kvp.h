@@ -267,7 +267,8 @@ struct llama_kvp_memory_info {
     int64_t host_bytes;      // host memory of the fate stage's K+V now, not in `bytes`: the host tier's tokens (fate
                              // stage `host`) or summarise's pending bins (as allocated, up to `bin` rows per layer)
     int64_t host_bytes_peak; // largest host_bytes at any time
-    int32_t n_active;   // tokens the layer caches hold now, all layers (the host tier's are not counted)
+    int32_t n_active;   // tokens the layer caches hold now, all layers (the host tier's are not counted; without a
+                        // retention policy, llama.cpp's cells in use times its layers)
     int32_t n_seq;      // sequences the context holds (n_seq_max), each in caches of its own; `bytes` and
                         // `bytes_peak` count all of them, budget, n_prompt and n_active the current one
     int32_t seq;        // the current sequence (see llama_kvp_seq_select)
