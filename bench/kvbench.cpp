@@ -38,6 +38,8 @@ struct kvbench_params {
     int32_t                  n_gpu_layers = 0;
     int32_t                  n_ctx    = 0;
     int32_t                  n_batch  = 512;
+    std::vector<ggml_type>   type_k   = { GGML_TYPE_F16 }; // KV cache types, as llama-bench's -ctk / -ctv
+    std::vector<ggml_type>   type_v   = { GGML_TYPE_F16 };
     bool                     flash_attn = true;
     uint32_t                 seed     = 42;
     std::string              output   = "md";
@@ -55,6 +57,8 @@ struct kvbench_result {
     int32_t     n_gen    = 0;
     int32_t     n_depth  = 0;
     int32_t     n_ctx    = 0; // the context it ran in
+    ggml_type   type_k   = GGML_TYPE_F16; // its KV cache types
+    ggml_type   type_v   = GGML_TYPE_F16;
 
     std::vector<double> pp_ts; // prefill tokens/s, one per repetition
     std::vector<double> tg_ts; // decode tokens/s, one per repetition
@@ -106,10 +110,41 @@ struct kvbench_result {
 
 // one test: the tokens in the context before the prompt, the prompt, the tokens generated
 struct kvbench_test {
-    int32_t n_depth;
-    int32_t n_prompt;
-    int32_t n_gen;
+    int32_t   n_depth;
+    int32_t   n_prompt;
+    int32_t   n_gen;
+    ggml_type type_k;
+    ggml_type type_v;
 };
+
+// the KV cache types llama.cpp's tools take by name (common/arg.cpp's list)
+static std::vector<ggml_type> kvbench_parse_types(const std::string & flag, const std::string & s) {
+    static const ggml_type allowed[] = { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+                                         GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1 };
+    std::vector<ggml_type> res;
+    std::stringstream ss(s);
+    std::string name;
+    while (std::getline(ss, name, ',')) {
+        bool found = false;
+        for (ggml_type t : allowed) {
+            if (name == ggml_type_name(t)) {
+                res.push_back(t);
+                found = true;
+            }
+        }
+        if (!found) {
+            std::string names;
+            for (ggml_type t : allowed) {
+                names += std::string(names.empty() ? "" : ", ") + ggml_type_name(t);
+            }
+            throw std::invalid_argument(flag + ": unknown KV cache type '" + name + "' (one of " + names + ")");
+        }
+    }
+    if (res.empty()) {
+        throw std::invalid_argument(flag + ": expected a KV cache type");
+    }
+    return res;
+}
 
 // a test's context size: -c, else depth + prompt + gen (as llama-bench sizes each test), raised to what the policy
 // needs (a budget in tokens, the observation window, the tokens always kept), padded to 256
@@ -148,6 +183,10 @@ static void kvbench_usage(const char * argv0) {
     printf("                            policy's budget in tokens, padded to 256; the full cache's KV bytes, the reference of\n");
     printf("                            KV x, are those of the test's own context)\n");
     printf("  -b, --batch-size N        logical and physical batch size (default: 512)\n");
+    printf("  -ctk, --cache-type-k T[,T..]  KV cache type of K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1\n");
+    printf("                            (default: f16); with lists, each type is a test of its own, its ratios against\n");
+    printf("                            the full cache of the same types\n");
+    printf("  -ctv, --cache-type-v T[,T..]  KV cache type of V (default: f16; a quantized V needs flash attention)\n");
     printf("  -fa, --flash-attn on|off  flash attention (default: on)\n");
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
@@ -220,6 +259,10 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-c" || arg == "--ctx-size") {
             params.n_ctx = kvp_tool_parse_int(arg, value(), 0);
+        } else if (arg == "-ctk" || arg == "--cache-type-k") {
+            params.type_k = kvbench_parse_types(arg, value());
+        } else if (arg == "-ctv" || arg == "--cache-type-v") {
+            params.type_v = kvbench_parse_types(arg, value());
         } else if (arg == "-b" || arg == "--batch-size") {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
@@ -562,7 +605,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         }
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
-            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen) ? &x : l;
+            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -572,6 +615,8 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
             l->spec     = "full";
             l->n_gen    = row.n_gen;
             l->n_depth  = row.limit_depth;
+            l->type_k   = row.type_k;
+            l->type_v   = row.type_v;
         }
         l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
         l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
@@ -629,9 +674,11 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     kvbench_mean_sd(r.tg_ts, tg, tg_sd);
     const bool lim = !r.lim_tg_ts.empty();
     const bool mem = !r.kv_layer_bytes.empty();
-    printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,%s",
+    printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,"
+           " \"type_k\": \"%s\", \"type_v\": \"%s\",%s",
             head.c_str(), kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
-            r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(), sep);
+            r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(),
+            ggml_type_name(r.type_k), ggml_type_name(r.type_v), sep);
     printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
             kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
             kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
@@ -692,14 +739,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -709,10 +756,16 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "").c_str(),
                     kvbench_opt(lim, r.limit_depth, "%.0f", "").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "").c_str(),
                     kvbench_opt(lim, r.tg_limit_ratio, "%.4f", "").c_str(), r.density,
-                    r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx);
+                    r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx,
+                    ggml_type_name(r.type_k), ggml_type_name(r.type_v));
         }
         return;
     }
+    // with other KV cache types than f16 (-ctk / -ctv), a row's label says its types
+    const bool typed = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
+    auto label = [typed](const kvbench_result & r) {
+        return typed ? r.label + " [" + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]" : r.label;
+    };
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
@@ -726,7 +779,7 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         const std::string pp_s = kvbench_fig(r.pp_ts, pp, "%.1f", "-") + (r.pp_ts.empty() ? "" : kvbench_fig(r.pp_ts, pp_sd, " ± %.1f", ""));
         const std::string tg_s = kvbench_fig(r.tg_ts, tg, "%.1f", "-") + (r.tg_ts.empty() ? "" : kvbench_fig(r.tg_ts, tg_sd, " ± %.1f", ""));
         printf("| %s | %d | %d | %d | %s | %s | %.2f | %.2f | %.3f | %.3f | %s | %s | %s | %.1f%% | %.2f |\n",
-                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, pp_s.c_str(), tg_s.c_str(),
+                label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, pp_s.c_str(), tg_s.c_str(),
                 r.kv_bytes/1048576.0, r.kv_bytes_peak/1048576.0, r.kv_ratio, r.peak_ratio,
                 kvbench_fig(r.pp_ts, r.pp_ratio, "%.2f", "-").c_str(), kvbench_fig(r.tg_ts, r.tg_ratio, "%.2f", "-").c_str(),
                 x_limit, 100.0*r.obs_overhead, r.density);
@@ -736,7 +789,7 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         double tg, tg_sd;
         kvbench_mean_sd(l.tg_ts, tg, tg_sd);
         printf("| %s | %d | %d | %d | - | %.1f ± %.1f | - | - | - | - | - | - | - | - | - |\n",
-                l.label.c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
+                label(l).c_str(), l.n_prompt, l.n_gen, l.n_depth, tg, tg_sd);
     }
     // the fate stage's host memory apart (the host tier, summarise's pending bins): its bytes are not in `KV MiB`
     bool any_host = false;
@@ -752,12 +805,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         if (!r.host) {
             if (r.host_bytes_peak > 0) {
                 printf("| %s | %d | %d | %d | %.2f | - | - | - | - | - | - | - |\n",
-                        r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0);
+                        label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0);
             }
             continue;
         }
         printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",
-                r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
+                label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
                 r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
     }
 }
@@ -850,13 +903,24 @@ int main(int argc, char ** argv) {
                     llama_model_free(model);
                     return 1;
                 }
-                tests.push_back({ d, p, g });
+                for (ggml_type tk : params.type_k) {
+                    for (ggml_type tv : params.type_v) {
+                        tests.push_back({ d, p, g, tk, tv });
+                    }
+                }
                 n_need = std::max(n_need, d + p + g);
             }
         }
     }
     if (params.n_gpu_layers > 0 && !llama_supports_gpu_offload()) {
         fprintf(stderr, "kvbench: warning: this build has no GPU backend, -ngl %d offloads nothing\n", params.n_gpu_layers);
+    }
+    for (ggml_type tv : params.type_v) {
+        if (ggml_is_quantized(tv) && !params.flash_attn) {
+            fprintf(stderr, "kvbench: -ctv %s: a quantized V cache needs flash attention (-fa on)\n", ggml_type_name(tv));
+            llama_model_free(model);
+            return 1;
+        }
     }
     if (!params.flash_attn) {
         for (const auto & kp : pols) {
@@ -891,6 +955,8 @@ int main(int argc, char ** argv) {
             cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
             cparams.n_threads       = params.n_threads;
             cparams.n_threads_batch = params.n_threads;
+            cparams.type_k          = t.type_k;
+            cparams.type_v          = t.type_v;
             if (!full && llama_kvp_set_pending(&pol) != 0) {
                 fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
                 rc = 1;
@@ -912,6 +978,8 @@ int main(int argc, char ** argv) {
             r.n_gen    = t.n_gen;
             r.n_depth  = t.n_depth;
             r.n_ctx    = (int32_t) cparams.n_ctx;
+            r.type_k   = t.type_k;
+            r.type_v   = t.type_v;
             try {
                 kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
                 results.push_back(std::move(r));
@@ -945,7 +1013,8 @@ int main(int argc, char ** argv) {
     // ratios to full at the same configuration
     for (auto & r : results) {
         for (const auto & f : results) {
-            if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth) {
+            if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth ||
+                f.type_k != r.type_k || f.type_v != r.type_v) {
                 continue;
             }
             double a, b, sd;

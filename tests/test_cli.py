@@ -124,6 +124,7 @@ def test_serve_help_names_the_policy_flag():
       "--needle-lengths", "256"], "policy 'h2o' at budget 0.1 of a 256-token prompt"),  # failed after the first ran
     (["bench", "-t", "99999"], "at most 512 threads"),                           # segfaulted
     (["bench", "-p"], "-p: missing value"),                                      # took the model path as its value
+    (["generate", "-p", "hi", "-ctv", "q8_0", "-fa", "off"], "a quantized V cache needs flash attention"),
 ])
 def test_bad_arguments_stop_at_once_with_one_line(args, says, tmp_path):
     out = run(*args, cwd=tmp_path)

@@ -17,7 +17,8 @@
 //   4. each head ranks the blocks by S, with the sink block (position 0) and the local blocks (the segment's own
 //      tokens and one block before) first, and computes the top ceil(B_s/block) of them.
 // Dense attention stays where sparsity cannot pay or cannot run: decode steps, contexts below `threshold` cells,
-// the first `skip` layers, no flash attention (V transposed), or a backend without the op (logged once).
+// the first `skip` layers, no flash attention (V transposed), K and V of two types, or a backend without the op
+// (logged once).
 
 #include "llama-kvp-stage.h"
 #include "llama-kvp-impl.h"
@@ -344,6 +345,14 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     if (!gctx.cparams.flash_attn || v->nb[1] > v->nb[2] || k->ne[3] != 1 || kq_mask == nullptr) {
         if (!st->sparse_warned) {
             LLAMA_LOG_WARN("%s: pykvcache sparse prefill needs flash attention (V not transposed): prefill stays dense\n", __func__);
+            st->sparse_warned = true;
+        }
+        return nullptr;
+    }
+    if (k->type != v->type) { // the op reads K and V of one type (e.g. -ctk q8_0 alone leaves V f16)
+        if (!st->sparse_warned) {
+            LLAMA_LOG_WARN("%s: pykvcache sparse prefill needs K and V of one type (K %s, V %s): prefill stays dense\n",
+                    __func__, ggml_type_name(k->type), ggml_type_name(v->type));
             st->sparse_warned = true;
         }
         return nullptr;

@@ -1,0 +1,81 @@
+"""KV caches of other types than f16 (llama.cpp's -ctk / -ctv, llama-cpp-python's type_k / type_v) under the policies:
+quantized, and K and V of two types (`-ctk q8_0` alone leaves V f16), which aborted the process in the paths that
+run pykvcache's own attention op (h2o's and freeze's observed decode steps, sparse prefill)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pykvcache import cli
+
+Q8_0, F16 = 8, 1
+
+# each case in a process of its own: a GGML_ASSERT aborts the process, not only the test
+SCRIPT = r"""
+import json, sys
+from pykvcache import Llama
+spec, tk, tv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(n_ctx=1024, n_threads=2, verbose=False, kv_policy=spec, type_k=tk, type_v=tv, flash_attn=True)
+text = "The lighthouse keeper counted the ships that passed the rocks each night, and wrote their names down. " * 30
+out = llm.create_completion(text, max_tokens=24, temperature=0)
+layers = llm.kv_stats().layers
+res = {"text": out["choices"][0]["text"], "n_tokens": out["usage"]["completion_tokens"],
+       "k_bytes": layers[0].k_bytes, "v_bytes": layers[0].v_bytes, "n_cells": layers[0].n_cells,
+       "n_used": [s.n_used for s in layers]}
+if llm.kv_policy.sparse:
+    res["density"] = llm.kv_sparse().total_density
+print(json.dumps(res))
+"""
+
+
+def run_case(spec: str, tk: int, tv: int) -> dict:
+    p = subprocess.run([sys.executable, "-c", SCRIPT, spec, str(tk), str(tv)], capture_output=True, text=True,
+                       timeout=300, cwd="/")
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=0.25", "freeze", "none+sparse:threshold=512",
+                                  "snapkv:budget=0.25+sparse:threshold=512", "snapkv:budget=0.1+summarise",
+                                  "snapkv:budget=0.25+host+latent"])
+@pytest.mark.parametrize("tk, tv", [(Q8_0, F16), (F16, Q8_0)])
+def test_k_and_v_of_two_types_run_every_path(spec, tk, tv):
+    r = run_case(spec, tk, tv)
+    assert r["n_tokens"] == 24 and r["text"].strip()
+    # a q8_0 row of 3 KV heads x 64 dims is 6 blocks of 34 bytes, an f16 row 384 bytes
+    row = {Q8_0: 6 * 34, F16: 384}
+    assert r["k_bytes"] == r["n_cells"] * row[tk] and r["v_bytes"] == r["n_cells"] * row[tv]
+    if "sparse" in spec:
+        assert r["density"] == 1.0  # the op reads K and V of one type: the prompt ran dense, and said so
+    if spec.startswith(("h2o", "snapkv")):
+        assert max(r["n_used"]) < 1024 // 2  # the policy kept its budget: its observation ran
+
+
+def test_a_quantized_cache_keeps_the_same_tokens_as_f16_mostly():
+    """q8_0 K and V change the attention a little: SnapKV at 25% still decodes the same first tokens."""
+    f16 = run_case("snapkv:budget=0.25", F16, F16)
+    q8 = run_case("snapkv:budget=0.25", Q8_0, Q8_0)
+    assert q8["text"][:16] == f16["text"][:16]
+    assert q8["k_bytes"] * 384 == f16["k_bytes"] * 6 * 34
+
+
+def test_kvbench_cache_types_are_tests_of_their_own(model_path):
+    p = subprocess.run([str(cli.kvbench_path()), "--no-progress", "-m", model_path, "-p", "128", "-n", "2", "-r", "1",
+                        "-t", "2", "--no-limit", "-o", "json", "-ctk", "f16,q8_0", "--policy", "h2o:budget=0.25"],
+                       capture_output=True, text=True, timeout=300, cwd="/")
+    assert p.returncode == 0, p.stderr
+    rows = {(r["label"], r["type_k"], r["type_v"]): r for r in json.loads(p.stdout)["results"]}
+    assert set(rows) == {(lbl, tk, "f16") for lbl in ("full", "h2o:budget=0.25") for tk in ("f16", "q8_0")}
+    full16, full8 = rows[("full", "f16", "f16")], rows[("full", "q8_0", "f16")]
+    assert full8["kv_bytes"] * 2 * 384 == full16["kv_bytes"] * (384 + 6 * 34)
+    h2o8 = rows[("h2o:budget=0.25", "q8_0", "f16")]
+    assert h2o8["kv_ratio"] == pytest.approx(h2o8["kv_bytes"] / full8["kv_bytes"], abs=1e-4)  # against its own types
+    bad = subprocess.run([str(cli.kvbench_path()), "-ctv", "q8_0", "-fa", "off", "-m", model_path], capture_output=True,
+                         text=True, timeout=60, cwd="/")
+    assert bad.returncode == 1 and "a quantized V cache needs flash attention" in bad.stderr
+    bad = subprocess.run([str(cli.kvbench_path()), "-ctk", "q3_k"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert bad.returncode == 1 and "unknown KV cache type 'q3_k'" in bad.stderr
