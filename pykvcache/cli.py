@@ -288,9 +288,9 @@ def kvbench_path() -> Path:
     return tool_path("kvbench")
 
 
-def _run_tool(name: str, argv: List[str]) -> int:
-    """Run the installed binary `name` with argv, on the embedded model and the essays unless -m / -f / --random say
-    otherwise."""
+def _run_tool(name: str, sub: str, argv: List[str]) -> int:
+    """Run the installed binary `name` (the command `pykvcache sub`) with argv, on the embedded model and the essays
+    unless -m / -f / --random say otherwise."""
     exe = tool_path(name)
     if not exe.is_file():
         print(f"pykvcache: error: {name} is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
@@ -309,13 +309,12 @@ def _run_tool(name: str, argv: List[str]) -> int:
         from . import corpus
 
         defaults += ["-f", str(corpus.essays_file())]
-    sub = "bench" if name == "kvbench" else name
     if wants_help:  # the tool's help, under the name it is run by here, and what this command adds to it
         sys.stdout.flush()
         rc = _run_forwarding_signals([f"pykvcache {sub}"] + argv, name, executable=str(exe))
         print(f"\npykvcache {sub}: without -m it runs the embedded model ($PYKVCACHE_MODEL, else SmolLM2-135M-Instruct "
               f"Q4_1), and without -f the essays of the corpus (~/.cache/pykvcache/corpus, `python -m pykvcache.corpus`); "
-              f"--random: random tokens (seed -s), as {name} alone does.")
+              f"--random: random tokens, as {name} alone does.")
         return rc
     return _run_forwarding_signals([str(exe)] + defaults + argv, name)
 
@@ -339,12 +338,12 @@ def _run_forwarding_signals(cmd: List[str], name: str, executable: Optional[str]
 
 def cmd_bench(argv: List[str]) -> int:
     """Run kvbench with argv, on the embedded model and the essays (unless -m / -f / --random say otherwise)."""
-    return _run_tool("kvbench", argv)
+    return _run_tool("kvbench", "bench", argv)
 
 
 def cmd_backend_check(argv: List[str]) -> int:
     """Run kvp-backend-check with argv (policies on the CPU against the GPU), on the embedded model and the essays."""
-    return _run_tool("kvp-backend-check", argv)
+    return _run_tool("kvp-backend-check", "backend-check", argv)
 
 
 def _numbers(flag: str, s: str, kind: type) -> List:

@@ -606,13 +606,13 @@ class Llama(llama_cpp.Llama):
         stats = self.kv_stats()
         common: Dict[str, Any] = dict(
             layers=np.array([s.layer for s in stats.layers], dtype=np.int32),
-            policy=pol.spec() if pol is not None else "",
+            policy=pol.spec(),
             kv_bytes=[s.k_bytes + s.v_bytes for s in stats.layers],
-            budgets=self.kv_memory().budgets if pol is not None and pol.retains else None,
-            retained=self.kv_retained() if pol is not None and pol.retains else None,
-            sparse=self.kv_sparse() if pol is not None and pol.sparse else None,
-            summary=self.kv_summary() if pol is not None and pol.describe()["stages"]["fate"] == "summarise" else None,
-            host=self.kv_host() if pol is not None and pol.describe()["stages"]["fate"] == "host" else None,
+            budgets=self.kv_memory().budgets if pol.retains else None,
+            retained=self.kv_retained() if pol.retains else None,
+            sparse=self.kv_sparse() if pol.sparse else None,
+            summary=self.kv_summary() if pol.describe()["stages"]["fate"] == "summarise" else None,
+            host=self.kv_host() if pol.describe()["stages"]["fate"] == "host" else None,
         )
         if observes_nothing:  # nothing observed: empty attention arrays
             empty = np.zeros((len(stats.layers), 0), dtype=np.float32)

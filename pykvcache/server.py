@@ -244,7 +244,7 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
     entry["sequences"] = [dict(row, busy=v not in pool.free) for v, row in zip(pool.views, rows)]
     entry["n_tokens"] = sum(row["n_tokens"] for row in entry["sequences"])
     if pool.llama.kv_policy is not None and pool.llama.kv_policy.retains:
-        # a policy's caches are per sequence: each sequence row has its layers, budget and telemetry; the top level
+        # a policy's caches are per sequence: each sequence row has its layers and budget; the top level
         # adds them up per layer (llama.cpp's own cache is one, its layers already count every sequence)
         seqs = entry["sequences"]
         entry["layers"] = [{"layer": rows_l[0]["layer"], **{k: sum(r[k] for r in rows_l)

@@ -161,6 +161,9 @@ def test_pykvcache_bench_wraps_kvbench(model_path):
                        timeout=60, cwd="/")
     assert p.returncode == 0 and p.stdout.startswith("usage: pykvcache bench [options]")
     assert "without -f the essays" in p.stdout and "--random" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "pykvcache.cli", "backend-check", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd="/")
+    assert p.returncode == 0 and p.stdout.startswith("usage: pykvcache backend-check [options]")
 
 
 def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):

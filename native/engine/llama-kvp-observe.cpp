@@ -861,10 +861,11 @@ ggml_tensor * llama_kvp_graph_observed_attn(
     }
     const bool v_trans = v->nb[1] > v->nb[2];
     if (!v_trans) {
-        // flash attention's layout: the op that also writes the probabilities, on the CPU only, with K and V of one
-        // type (else flash attention runs and the observation computes its own K·Q, as on a GPU)
+        // flash attention's layout: the op that also writes the probabilities, on the CPU only, with F16 K and V (its
+        // row path split over the threads by cells); other types keep flash attention, and the observation computes
+        // its own K·Q, as on a GPU: the op would convert their blocks one query at a time
         if (kq_mask->type != GGML_TYPE_F16 || !ggml_is_contiguous(kq_mask) || kq_mask->ne[2] != 1 || kq_mask->ne[3] != 1 ||
-            k->type != v->type) {
+            k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16) {
             return nullptr;
         }
         for (const ggml_tensor * t : { k, v }) {
