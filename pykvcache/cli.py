@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
+from .cache_types import CACHE_TYPES
+
 POLICY_HELP = (
     "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
     "'snapkv:budget=0.1+entropy' or 'none' (llama.cpp's full cache); `pykvcache policies` lists the presets and stages"
@@ -20,10 +22,6 @@ POLICY_HELP = (
 
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
-
-
-# the KV cache types llama.cpp's tools take by name, with their ggml type ids (llama-cpp-python's type_k / type_v)
-CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
 
 
 def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .batch import context_params_with, generate_batch
+from .cache_types import cache_type_name
 from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
@@ -83,6 +84,10 @@ class Llama(llama_cpp.Llama):
         if policy is not None and policy.sparse and kwargs.get("flash_attn", True) is False:
             warnings.warn("a +sparse kv_policy with flash_attn=False: sparse prefill runs in place of flash attention, "
                           "so prompts run dense (leave flash_attn out to have it)", stacklevel=2)
+        type_v = kwargs.get("type_v")
+        if type_v is not None and cache_type_name(type_v) not in ("f32", "f16", "bf16") and not kwargs.get("flash_attn"):
+            raise ValueError(f"type_v={type_v} ({cache_type_name(type_v)}): a quantized V cache needs flash_attn=True "
+                             "(llama.cpp's rule)")
         if policy is not None and not policy.retains and kwargs.get("embedding"):
             preset = policy.describe()["preset"]
             raise PolicyError(f"kv_policy {preset!r} works on llama.cpp's own cache with one sequence, and embedding=True "
@@ -207,10 +212,11 @@ class Llama(llama_cpp.Llama):
                 self.n_tokens = 0
                 self._ctx.kv_cache_seq_rm(-1, 0, -1)
             pol = self._kv_policy.spec() if self._kv_policy is not None else "none (the full cache)"
+            types = "/".join(cache_type_name(t) for t in (self.context_params.type_k, self.context_params.type_v))
             raise RuntimeError(f"this state cannot be loaded here: it was saved by a context with another model, KV "
-                               f"policy, context size or number of sequences (this one: kv_policy={pol}, n_ctx="
-                               f"{self.context_params.n_ctx}, n_seq_max={self._n_seq_max}); the context is unchanged"
-                               ) from None
+                               f"policy, context size, number of sequences or KV cache types (this one: kv_policy={pol}, "
+                               f"n_ctx={self.context_params.n_ctx}, n_seq_max={self._n_seq_max}, K/V {types}); the "
+                               f"context is unchanged") from None
 
     @property
     def kv_policy(self) -> Optional[Policy]:

@@ -79,3 +79,17 @@ def test_kvbench_cache_types_are_tests_of_their_own(model_path):
     assert bad.returncode == 1 and "a quantized V cache needs flash attention" in bad.stderr
     bad = subprocess.run([str(cli.kvbench_path()), "-ctk", "q3_k"], capture_output=True, text=True, timeout=60, cwd="/")
     assert bad.returncode == 1 and "unknown KV cache type 'q3_k'" in bad.stderr
+
+
+def test_a_state_of_other_cache_types_is_refused_naming_them(model_path):
+    from pykvcache import Llama
+
+    with pytest.raises(ValueError, match="a quantized V cache needs flash_attn=True"):  # llama.cpp: no context
+        Llama(model_path, n_ctx=256, verbose=False, type_v=Q8_0)
+    a = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64", type_k=Q8_0, type_v=Q8_0,
+              flash_attn=True)
+    a.eval(a.tokenize(b"The lighthouse keeper counted the ships."))
+    state = a.save_state()
+    b = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")
+    with pytest.raises(RuntimeError, match=r"or KV cache types \(this one: .* K/V f16/f16\); the context is unchanged"):
+        b.load_state(state)

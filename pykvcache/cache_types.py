@@ -1,0 +1,11 @@
+"""The KV cache types llama.cpp's tools take by name (-ctk / -ctv), as llama-cpp-python's type_k / type_v ids."""
+
+from __future__ import annotations
+
+# name -> ggml type id (common/arg.cpp's list of KV cache types)
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+
+
+def cache_type_name(type_id: int) -> str:
+    """The name of a ggml type id among the KV cache types (its number otherwise)."""
+    return next((name for name, t in CACHE_TYPES.items() if t == int(type_id)), str(int(type_id)))
