@@ -650,10 +650,10 @@ static std::string kvbench_json_list(const std::vector<T> & v) {
     return os.str();
 }
 
-// a figure of a test that ran (samples), else `none` ("-" in tables, null in JSON, empty in CSV): -p 0 or -n 0
-// measure no prefill or no decode, which is not 0 t/s
-static std::string kvbench_fig(const std::vector<double> & samples, double v, const char * fmt, const char * none) {
-    if (samples.empty()) {
+// a figure that exists only where `ok` (a row with a full-cache reference, a row with a limit), else `none` ("-" in
+// tables, null in JSON, empty in CSV)
+static std::string kvbench_opt(bool ok, double v, const char * fmt, const char * none) {
+    if (!ok) {
         return none;
     }
     char buf[64];
@@ -661,9 +661,9 @@ static std::string kvbench_fig(const std::vector<double> & samples, double v, co
     return buf;
 }
 
-// a figure that exists only where `ok` (a row with a full-cache reference, a row with a limit), else `none`
-static std::string kvbench_opt(bool ok, double v, const char * fmt, const char * none) {
-    return kvbench_fig(ok ? std::vector<double>{ v } : std::vector<double>{}, v, fmt, none);
+// a figure of a test that ran (samples), else `none`: -p 0 or -n 0 measure no prefill or no decode, which is not 0 t/s
+static std::string kvbench_fig(const std::vector<double> & samples, double v, const char * fmt, const char * none) {
+    return kvbench_opt(!samples.empty(), v, fmt, none);
 }
 
 // one row as a JSON object: indented over lines (json), or on one line after `head` (jsonl, as llama-bench's);
@@ -690,8 +690,8 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     printf("\"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,%s",
             r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused, sep);
     printf("\"pp_ratio\": %s, \"tg_ratio\": %s, \"kv_ratio\": %s, \"kv_peak_ratio\": %s,%s",
-            kvbench_fig(r.has_ref ? r.pp_ts : std::vector<double>{}, r.pp_ratio, "%.4f", "null").c_str(),
-            kvbench_fig(r.has_ref ? r.tg_ts : std::vector<double>{}, r.tg_ratio, "%.4f", "null").c_str(),
+            kvbench_opt(r.has_ref && !r.pp_ts.empty(), r.pp_ratio, "%.4f", "null").c_str(),
+            kvbench_opt(r.has_ref && !r.tg_ts.empty(), r.tg_ratio, "%.4f", "null").c_str(),
             kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "null").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "null").c_str(), sep);
     printf("\"n_recover\": [%d, %d, %d, %d],%s", r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3], sep);
     printf("\"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
@@ -751,8 +751,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
                     r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead,
-                    kvbench_fig(r.has_ref ? r.pp_ts : std::vector<double>{}, r.pp_ratio, "%.4f", "").c_str(),
-                    kvbench_fig(r.has_ref ? r.tg_ts : std::vector<double>{}, r.tg_ratio, "%.4f", "").c_str(),
+                    kvbench_opt(r.has_ref && !r.pp_ts.empty(), r.pp_ratio, "%.4f", "").c_str(),
+                    kvbench_opt(r.has_ref && !r.tg_ts.empty(), r.tg_ratio, "%.4f", "").c_str(),
                     kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "").c_str(),
                     kvbench_opt(lim, r.limit_depth, "%.0f", "").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "").c_str(),
                     kvbench_opt(lim, r.tg_limit_ratio, "%.4f", "").c_str(), r.density,

@@ -9,3 +9,8 @@ CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, 
 def cache_type_name(type_id: int) -> str:
     """The name of a ggml type id among the KV cache types (its number otherwise)."""
     return next((name for name, t in CACHE_TYPES.items() if t == int(type_id)), str(int(type_id)))
+
+
+def is_quantized(type_id: int) -> bool:
+    """Whether a KV cache type is quantized (llama.cpp then needs flash attention for V)."""
+    return cache_type_name(type_id) not in ("f32", "f16", "bf16")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from .cache_types import CACHE_TYPES
+from .cache_types import CACHE_TYPES, is_quantized
 
 POLICY_HELP = (
     "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
@@ -154,7 +154,7 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-t/--threads must be in 1..{MAX_THREADS} (got {args.threads})")
     if args.n_gpu_layers < -1:
         raise ValueError(f"-ngl/--n-gpu-layers must be >= -1 (got {args.n_gpu_layers})")
-    if args.cache_type_v not in ("f32", "f16", "bf16") and args.flash_attn == "off":
+    if is_quantized(CACHE_TYPES[args.cache_type_v]) and args.flash_attn == "off":
         raise ValueError(f"-ctv {args.cache_type_v}: a quantized V cache needs flash attention (-fa on)")
     temp = getattr(args, "temp", 0.0)
     if not (math.isfinite(temp) and temp >= 0.0):

@@ -12,7 +12,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .batch import context_params_with, generate_batch
-from .cache_types import cache_type_name
+from .cache_types import cache_type_name, is_quantized
 from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
@@ -85,7 +85,7 @@ class Llama(llama_cpp.Llama):
             warnings.warn("a +sparse kv_policy with flash_attn=False: sparse prefill runs in place of flash attention, "
                           "so prompts run dense (leave flash_attn out to have it)", stacklevel=2)
         type_v = kwargs.get("type_v")
-        if type_v is not None and cache_type_name(type_v) not in ("f32", "f16", "bf16") and not kwargs.get("flash_attn"):
+        if type_v is not None and is_quantized(type_v) and not kwargs.get("flash_attn"):
             raise ValueError(f"type_v={type_v} ({cache_type_name(type_v)}): a quantized V cache needs flash_attn=True "
                              "(llama.cpp's rule)")
         if policy is not None and not policy.retains and kwargs.get("embedding"):
