@@ -93,3 +93,41 @@ def test_a_state_of_other_cache_types_is_refused_naming_them(model_path):
     b = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")
     with pytest.raises(RuntimeError, match=r"or KV cache types \(this one: .* K/V f16/f16\); the context is unchanged"):
         b.load_state(state)
+
+
+def test_exports_of_a_quantized_cache_are_in_the_models_basis(model_path):
+    """llama.cpp rotates a quantized cache's K, Q and V rows (a Walsh-Hadamard matrix per 64 values); kv_layer() and
+    kv_queries() undo it, so their vectors and attend() agree with an f16 cache's up to the rounding of q8_0."""
+    import numpy as np
+
+    from pykvcache import Llama
+    from pykvcache.corpus import essays_file
+
+    text = essays_file().read_text()[:3000].encode()
+    got = {}
+    for tk, tv in [(F16, F16), (Q8_0, Q8_0), (Q8_0, F16)]:
+        llm = Llama(model_path, n_ctx=1024, n_threads=2, verbose=False, kv_policy="snapkv:budget=0.5", type_k=tk,
+                    type_v=tv, flash_attn=True)
+        llm.eval(llm.tokenize(text)[:600])
+        layer = llm.kv_layer(3)
+        _, q, scale = llm.kv_queries(3)
+        got[tk, tv] = (layer, q, layer.attend(q, scale))
+    ref_layer, ref_q, ref_out = got[F16, F16]
+
+    def rows(layer, common):  # K and V of the cells holding those positions
+        at = {int(p): i for i, p in enumerate(layer.pos) if p >= 0}
+        idx = [at[int(p)] for p in common]
+        return layer.k[idx], layer.v[idx]
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    for key in [(Q8_0, Q8_0), (Q8_0, F16)]:
+        layer, q, out = got[key]
+        common = np.intersect1d(layer.pos[layer.pos >= 0], ref_layer.pos[ref_layer.pos >= 0])
+        assert len(common) > 0.9 * (layer.pos >= 0).sum(), key  # nearly the same tokens kept
+        (k, v), (ref_k, ref_v) = rows(layer, common), rows(ref_layer, common)
+        # rotated, K was ~130% off; q8_0 rounding alone is ~1-2%
+        assert rel(k, ref_k) < 0.05 and rel(v, ref_v) < 0.05, key
+        assert rel(q, ref_q) < 0.05, key
+        assert rel(out, ref_out) < 0.05, key

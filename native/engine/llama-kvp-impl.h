@@ -198,6 +198,9 @@ struct llama_kvp_kv_access {
     static void cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out); // cell_pos of cells [0, n)
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
     static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq); // an empty cell now holds pos of seq
+    // the Walsh-Hadamard matrix [n*n] by which llama.cpp rotates the rows of a quantized cache's K (and the queries)
+    // or V in chunks of n (llama_kv_cache::build_input_k_rot, build_input_v_rot); nullptr where it does not rotate
+    static const float * rot(const llama_kv_cache & kv, bool v, int32_t & n);
 
     // ubatches of the decode call a memory context belongs to
     static size_t n_ubatches(const llama_memory_context_i * mctx);

@@ -88,6 +88,25 @@ void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos po
     kv.v_cells[0].seq_add(i, seq);
 }
 
+const float * llama_kvp_kv_access::rot(const llama_kv_cache & kv, bool v, int32_t & n) {
+    n = 0;
+    if (!(v ? kv.attn_rot_v : kv.attn_rot_k)) {
+        return nullptr;
+    }
+    // V in chunks of 64, K in the largest power of two (from 64) that divides the head size, as llama.cpp does
+    int32_t nrot = 64;
+    if (!v) {
+        do {
+            nrot *= 2;
+        } while (kv.n_embd_head_k_all % nrot == 0);
+        nrot /= 2;
+    }
+    const auto it = kv.attn_rot_hadamard.find(nrot);
+    GGML_ASSERT(it != kv.attn_rot_hadamard.end());
+    n = nrot;
+    return it->second.data();
+}
+
 size_t llama_kvp_kv_access::n_ubatches(const llama_memory_context_i * mctx) {
     if (const auto * kctx = dynamic_cast<const llama_kv_cache_context *>(mctx)) {
         return kctx->ubatches.size();

@@ -465,6 +465,29 @@ int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_
     return kv ? llama_kvp_fill_cell_pos(*kv, out, n_max) : -1;
 }
 
+// undoes llama.cpp's rotation of a quantized cache's K (and queries) or V rows (llama_kvp_kv_access::rot), in place:
+// rows [n_rows][n_embd]; the normalised Walsh-Hadamard matrix is symmetric and its own inverse
+static void llama_kvp_unrotate(const llama_kv_cache & kv, bool v, float * rows, int64_t n_rows, int64_t n_embd) {
+    int32_t n = 0;
+    const float * h = llama_kvp_kv_access::rot(kv, v, n);
+    if (!h) {
+        return;
+    }
+    GGML_ASSERT(n_embd % n == 0);
+    std::vector<float> y(n);
+    for (int64_t c = 0; c < n_rows*n_embd; c += n) {
+        float * x = rows + c;
+        for (int32_t i = 0; i < n; ++i) {
+            float sum = 0.0f;
+            for (int32_t j = 0; j < n; ++j) {
+                sum += h[(size_t) i*n + j]*x[j];
+            }
+            y[i] = sum;
+        }
+        std::copy(y.begin(), y.end(), x);
+    }
+}
+
 int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
                            int32_t * n_embd_k, int32_t * n_embd_v) {
     if (!llama_kvp_check_ctx(ctx)) {
@@ -503,6 +526,7 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
         for (int32_t i = 0; i < size; ++i) {
             ggml_get_type_traits(kt->type)->to_float(raw.data() + (size_t) i*nb, k_out + (size_t) i*kt->ne[0], kt->ne[0]);
         }
+        llama_kvp_unrotate(*kv, false, k_out, size, kt->ne[0]);
     }
     if (v_out) {
         const size_t nb = v_trans ? (size_t) vt->ne[0]*ggml_type_size(vt->type) : ggml_row_size(vt->type, vt->ne[0]);
@@ -511,6 +535,7 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
         for (int32_t i = 0; i < size; ++i) {
             ggml_get_type_traits(vt->type)->to_float(raw.data() + (size_t) i*nb, v_out + (size_t) i*vt->ne[0], vt->ne[0]);
         }
+        llama_kvp_unrotate(*kv, true, v_out, size, vt->ne[0]);
     }
     return size;
 }
@@ -547,6 +572,7 @@ int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q
     }
     if (q_out) {
         std::copy(q.begin(), q.end(), q_out);
+        llama_kvp_unrotate(*st->layer_kv(ikv), false, q_out, n, row); // the queries were rotated as the layer's K
     }
     for (int32_t i = 0; pos_out && i < n; ++i) {
         pos_out[i] = qpos[i];

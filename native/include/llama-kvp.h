@@ -415,7 +415,7 @@ int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int
 // queries now see what came back), calls it again and evaluates the last token again.
 int32_t llama_kvp_latent_rerank(struct llama_context * ctx);
 
-// raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types (k_out, v_out may be NULL; each
+// raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types and basis (k_out, v_out may be NULL; each
 // must hold the count a call with NULL outputs returns); returns the K bytes + V bytes, 0 if no cell holds pos, -1
 // on error
 int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out);
@@ -423,14 +423,15 @@ int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t
 // K and V of every cell of KV layer ikv (the per-layer memory's or llama.cpp's own cache), as f32 rows: k_out
 // [n_max][n_embd_k], v_out [n_max][n_embd_v] (either may be NULL), cells in the order of llama_kvp_layer_cell_pos;
 // writes the row sizes (n_embd_k_gqa, n_embd_v_gqa) where the pointers are not NULL; returns the number of cells, -1 on
-// error (more cells than n_max with an output given)
+// error (more cells than n_max with an output given). Rows are in the model's basis: where llama.cpp rotates a quantized
+// cache's rows (a Walsh-Hadamard matrix per 64 or more values), the rotation is undone.
 int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
                            int32_t * n_embd_k, int32_t * n_embd_v);
 
 // the post-RoPE queries the observation window of KV layer ikv holds (every query head): q_out [n_max][n_head*n_embd_head]
 // (head-major within a row; may be NULL) and their positions in pos_out (may be NULL); writes the row size and the
 // layer's attention scale where the pointers are not NULL; returns the number of queries, -1 on error (the policy does
-// not observe, or more queries than n_max with an output given)
+// not observe, or more queries than n_max with an output given); in the model's basis, as llama_kvp_layer_kv's K
 int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
                               int32_t * n_embd_q, float * scale);
 
