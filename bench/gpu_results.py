@@ -27,7 +27,7 @@ def _json(path: Path) -> Optional[Dict[str, Any]]:
 def _device(log: str) -> str:
     """The GPU and CUDA version lines of the session log."""
     gpu = re.search(r"^GPU 0: (.+?)(?: \(UUID.*)?$", log, re.M)
-    cuda = re.search(r"release ([0-9.]+)", log)
+    cuda = re.search(r"release ([0-9.]+)", log) or re.search(r"Build cuda_([0-9.]+)\.r", log)
     return f"{gpu.group(1) if gpu else 'an NVIDIA GPU'}, CUDA {cuda.group(1) if cuda else '?'}"
 
 
@@ -76,12 +76,19 @@ def _kvbench_table(res: Optional[Dict[str, Any]], what: str) -> str:
              "KV MiB | density |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["results"] + res.get("limits", []):
         lim = f"{r['tg_limit_ratio']:.2f}" if r.get("tg_limit_ratio") else "-"
+        types = (r.get("type_k", "f16"), r.get("type_v", "f16"))
+        label = r["label"] if types == ("f16", "f16") else f"{r['label']} [{types[0]}/{types[1]}]"
         if r["n_prompt"] == 0:  # a physical-limit row: the full cache decoding at that depth
-            lines.append(f"| {r['label']} | - | - | - | {r['tg_ts']:.0f} ± {r['tg_ts_sd']:.0f} | - | 1.00 | - | - |")
+            lines.append(f"| {label} | - | - | - | {r['tg_ts']:.0f} ± {r['tg_ts_sd']:.0f} | - | 1.00 | - | - |")
             continue
-        lines.append(f"| {r['label']} | {r['n_prompt']} | {r['pp_ts']:.0f} ± {r['pp_ts_sd']:.0f} | {r['pp_ratio']:.2f} | "
+        lines.append(f"| {label} | {r['n_prompt']} | {r['pp_ts']:.0f} ± {r['pp_ts_sd']:.0f} | {r['pp_ratio']:.2f} | "
                      f"{r['tg_ts']:.0f} ± {r['tg_ts_sd']:.0f} | {r['tg_ratio']:.2f} | {lim} | "
                      f"{r['kv_bytes'] / 2**20:.1f} | {r.get('density', 1.0):.2f} |")
+    sums = [r for r in res["results"] if r.get("sum_bins") is not None]
+    if sums:  # summarise's own host time (reading leavers, fitting, writing centroids), per repetition
+        lines += ["", "| policy | bins | summarise ms, prompt | summarise ms per decoded token |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['label']} | {r['sum_bins']:.0f} | {r['sum_ms_pp']:.0f} | {r['sum_ms_tg'] / max(r['n_gen'], 1):.3f} |"
+                  for r in sums]
     return "\n".join(lines)
 
 
@@ -96,7 +103,7 @@ def _whole_model(d: Path) -> str:
     logs = "\n".join(p.read_text(errors="replace") for p in sorted(run.glob(f"{pre}*.log")))
     device = _device(logs)
     parts = [f"""
-### The whole model (30 layers), latest run: {run.name}
+### The whole model (30 layers): {run.name}
 
 SmolLM2-135M Q4_1, every layer offloaded unless the table says otherwise, on {device}; 8k-token prompts from the
 essays, 64 decode steps (`{run.name}/full-model-run.sh`; raw outputs beside it). The limit is the full cache decoding at
@@ -128,6 +135,35 @@ Half the layers on the GPU (`-ngl 15` of 30):
 
 {_kvbench_table(split, 'split caches')}
 """)
+    return "".join(parts)
+
+
+# the fourth run's tables (session4/run.sh, run2.sh): file, caption
+RUN4 = [
+    ("kvbench-f16.json", "Retention policies and summarise at 8k / 10%, f16 caches, 64 decode steps:"),
+    ("kvbench-q8.json", "The same with q8_0 K and V, and with q8_0 K and f16 V (each against the full cache of its types):"),
+    ("kvbench-gpu-n512.json", "Summarise's decode over 512 steps (`run2.sh`), with its own host time per decoded token:"),
+    ("kvbench-gpu-n256.json", "Its transfer cost: 4k prompt, 256 steps, every layer on the GPU:"),
+    ("kvbench-cpu16-n256.json", "... and the same on the device machine's CPU (`-ngl 0`, 16 threads):"),
+]
+
+
+def _run4(d: Path) -> str:
+    """The fourth GPU run (session4): cache types on CUDA, summarise's host time; '' when it is not there."""
+    run = d / "session4"
+    if not (run / "run.log").is_file():
+        return ""
+    device = _device((run / "run.log").read_text(errors="replace"))
+    parts = [f"""
+### The whole model (30 layers), fourth run: session4
+
+SmolLM2-135M Q4_1, every layer offloaded unless a table says otherwise, on {device}; prompts from the essays
+(`session4/run.sh`, `session4/run2.sh`; raw outputs beside them).
+
+{_backend_table(_json(run / "kvp-backend-check.json"))}
+"""]
+    for name, caption in RUN4:
+        parts.append(f"\n{caption}\n\n{_kvbench_table(_json(run / name), name)}\n")
     return "".join(parts)
 
 
@@ -169,7 +205,7 @@ nothing of fidelity), prompts from the essays. Raw outputs and the session log: 
 ### kvbench -ngl 99: fates that move K/V between the GPU and the host
 
 {_kvbench_table(_json(d / 'kvbench-fates.json'), 'fates')}
-""", _whole_model(d)]
+""", _whole_model(d), _run4(d)]
     split = _json(d / "kvp-backend-check-ngl4.json")
     if split is not None:
         parts.append(f"""

@@ -88,6 +88,13 @@ struct kvbench_result {
     int64_t n_rerank        = 0; // latent re-rankings (per layer)
     int64_t n_promote       = 0; // host tokens made active by a re-ranking
 
+    // summarise (fate stage `summarise`), per repetition: bins replaced by centroids, and the host time the fate spent
+    // reading leavers from the caches, fitting and writing centroids, during the prompt and during decode
+    int32_t summarise = 0; // 1: the policy summarises
+    double  sum_bins  = 0.0;
+    double  sum_ms_pp = 0.0;
+    double  sum_ms_tg = 0.0;
+
     // ratios to `full` at the same configuration (has_ref: there is one)
     bool   has_ref  = false;
     double pp_ratio = 0.0;
@@ -428,7 +435,18 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     llama_kvp_memory_info(ctx, &mi0);
     struct llama_kvp_host_stats hs0 = {};
     r.host = llama_kvp_host(ctx, &hs0) == 0;
+    struct llama_kvp_summary_stats ss = {};
+    r.summarise = llama_kvp_summary(ctx, &ss) == 0;
     llama_kvp_clear_error();
+    // the summarise fate's time and bins so far (they restart with the memory)
+    auto sum_now = [&](double & ms, double & bins) {
+        struct llama_kvp_summary_stats x = {};
+        if (r.summarise && llama_kvp_summary(ctx, &x) == 0) {
+            ms   = x.t_ms;
+            bins = (double) x.n_bins;
+        }
+    };
+    double sum_ms0 = 0.0, sum_bins0 = 0.0;
 
     std::vector<double> step_t;   // all decode steps of all repetitions
     std::vector<bool>   step_obs; // whether that step observed
@@ -444,6 +462,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         if (r.n_depth > 0) {
             kvp_tool_prefill(ctx, tokens.data(), r.n_depth, 0, params.n_batch, guided);
         }
+        sum_now(sum_ms0, sum_bins0);
         if (r.n_prompt > 0) {
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
@@ -454,6 +473,9 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             llama_synchronize(ctx);
             r.pp_ts.push_back(r.n_prompt/(kvbench_now() - t0));
         }
+        double sum_ms1 = sum_ms0, sum_bins1 = sum_bins0;
+        sum_now(sum_ms1, sum_bins1);
+        r.sum_ms_pp += (sum_ms1 - sum_ms0)/params.reps;
         if (r.n_gen > 0) {
             llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
             // the physical limit: the full cache prefilled (untimed) with as many tokens as the mean layer budget
@@ -531,6 +553,10 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                 r.lim_tg_ts.push_back(n_lim/t_lim);
             }
         }
+        double sum_ms2 = sum_ms1, sum_bins2 = sum_bins1;
+        sum_now(sum_ms2, sum_bins2);
+        r.sum_ms_tg += (sum_ms2 - sum_ms1)/params.reps;
+        r.sum_bins  += (sum_bins2 - sum_bins0)/params.reps;
     }
 
     // observing steps and the median plain step (the overhead is computed once the full cache has run)
@@ -697,6 +723,9 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     printf("\"host\": %s, \"host_bytes_peak\": %" PRId64 ", \"n_freeze\": %" PRId64 ", \"n_host_evict\": %" PRId64 ", \"n_thaw\": %" PRId64 ","
            " \"n_dropped\": %" PRId64 ", \"n_rerank\": %" PRId64 ", \"n_promote\": %" PRId64 ",%s",
             r.host ? "true" : "false", r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, sep);
+    printf("\"sum_bins\": %s, \"sum_ms_pp\": %s, \"sum_ms_tg\": %s,%s",
+            kvbench_opt(r.summarise, r.sum_bins, "%.1f", "null").c_str(), kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "null").c_str(),
+            kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "null").c_str(), sep);
     printf("\"limit_depth\": %s, \"limit_tg_ts\": %s, \"limit_tg_ts_sd\": %s, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %s,"
            " \"density\": %.4f}%s\n",
             kvbench_opt(lim, r.limit_depth, "%.0f", "null").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "null").c_str(),
@@ -739,14 +768,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -757,7 +786,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     kvbench_opt(lim, r.limit_depth, "%.0f", "").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "").c_str(),
                     kvbench_opt(lim, r.tg_limit_ratio, "%.4f", "").c_str(), r.density,
                     r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx,
-                    ggml_type_name(r.type_k), ggml_type_name(r.type_v));
+                    ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
+                    kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str());
         }
         return;
     }
@@ -796,22 +826,37 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     for (const auto & r : results) {
         any_host = any_host || r.host || r.host_bytes_peak > 0;
     }
-    if (!any_host) {
+    if (any_host) {
+        printf("\n| policy | p | n | d | host peak MiB | frozen | evicted to host | thawed | dropped | re-ranks | promoted | ladder S/W/F/R |\n");
+        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+        for (const auto & r : results) {
+            if (!r.host) {
+                if (r.host_bytes_peak > 0) {
+                    printf("| %s | %d | %d | %d | %.2f | - | - | - | - | - | - | - |\n",
+                            label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0);
+                }
+                continue;
+            }
+            printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",
+                    label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
+                    r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
+        }
+    }
+    // summarise's own time on the host: reading leavers, fitting and writing centroids
+    bool any_sum = false;
+    for (const auto & r : results) {
+        any_sum = any_sum || r.summarise;
+    }
+    if (!any_sum) {
         return;
     }
-    printf("\n| policy | p | n | d | host peak MiB | frozen | evicted to host | thawed | dropped | re-ranks | promoted | ladder S/W/F/R |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    printf("\n| policy | p | n | d | bins | summarise ms, prompt | summarise ms per decoded token |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
-        if (!r.host) {
-            if (r.host_bytes_peak > 0) {
-                printf("| %s | %d | %d | %d | %.2f | - | - | - | - | - | - | - |\n",
-                        label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0);
-            }
-            continue;
+        if (r.summarise) {
+            printf("| %s | %d | %d | %d | %.1f | %.1f | %.3f |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.sum_bins,
+                    r.sum_ms_pp, r.n_gen > 0 ? r.sum_ms_tg/r.n_gen : 0.0);
         }
-        printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",
-                label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
-                r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
     }
 }
 

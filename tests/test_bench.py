@@ -83,7 +83,8 @@ def test_kvbench_measures_the_physical_limit(model_path):
     md = kvbench(*args, model_path=model_path).stdout
     assert "| x limit |" in md and "| limit:d=64 |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
-    assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0] and csv[0].endswith("n_rerank,n_promote,n_ctx,type_k,type_v")
+    assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
+    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])

@@ -400,8 +400,11 @@ def test_the_pending_bins_are_host_memory_beside_the_cache(model_path, text):
     rows = {r["label"]: r for r in json.loads(out.stdout)["results"]}
     assert rows[pol]["host_bytes_peak"] >= 256 * row * n_layers and rows["full"]["host_bytes_peak"] == 0
     assert not rows[pol]["host"]  # not the host tier
+    # the fate's own time and bins, in the prompt and in decode: one bin per layer, fitted during the prompt
+    assert rows[pol]["sum_bins"] == n_layers and rows[pol]["sum_ms_pp"] > 0 and rows[pol]["sum_ms_tg"] >= 0
+    assert rows["full"]["sum_bins"] is None and rows["full"]["sum_ms_tg"] is None
     md = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd="/").stdout
-    assert "| host peak MiB |" in md and md.count(f"| {pol} |") == 2
+    assert "| host peak MiB |" in md and "| summarise ms, prompt |" in md and md.count(f"| {pol} |") == 3
 
 
 @pytest.mark.parametrize("n_prompt, fitted", [(450, False), (500, True)])
