@@ -281,8 +281,8 @@ def test_state_round_trip_and_foreign_state(model_path):
     assert other.kv_memory().budgets == llm.kv_memory().budgets
     assert other.kv_memory().n_prompt == llm.kv_memory().n_prompt
     other.eval(nxt)
-    # same tokens and scores; the cells are renumbered on load, so sums may run in another order
-    np.testing.assert_allclose(last_logits(other), ref, atol=1e-3, rtol=0)
+    # same tokens and scores in the same cells (tests/test_state.py: later steps too)
+    np.testing.assert_array_equal(last_logits(other), ref)
     assert greedy_continue(other, [], 4) == first
 
     full = Llama(model_path, n_ctx=512, verbose=False)

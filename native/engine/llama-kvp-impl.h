@@ -198,6 +198,8 @@ struct llama_kvp_kv_access {
     static void cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out); // cell_pos of cells [0, n)
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
     static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq); // an empty cell now holds pos of seq
+    static uint32_t head(const llama_kv_cache & kv);         // where find_slot looks for a free cell first
+    static void     head_set(llama_kv_cache & kv, uint32_t h);
     // the Walsh-Hadamard matrix [n*n] by which llama.cpp rotates the rows of a quantized cache's K (and the queries)
     // or V in chunks of n (llama_kv_cache::build_input_k_rot, build_input_v_rot); nullptr where it does not rotate
     static const float * rot(const llama_kv_cache & kv, bool v, int32_t & n);
@@ -367,8 +369,14 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
 int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t ikv, const std::vector<float> ** ent,
                                                  const std::vector<llama_pos> ** pos);
 
-// restores the scores of KV layer ikv from (position, score) pairs, matched to the cells holding those positions
-void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores);
+// the observation state of the current sequence, for a saved state (llama_kvp_memory::state_write): the counters, the
+// prompt entropies and the window queries' positions (obs_state_*), and per KV layer its device tensors (the window's
+// queries, masses, scores, entropies, decode rows) and their bookkeeping by cell (obs_layer_state_*). A layer's cells
+// must hold what they held when it was written; reading throws std::runtime_error on a state of other sizes.
+void llama_kvp_obs_state_write      (const llama_kvp_context * st, std::vector<uint8_t> & out);
+void llama_kvp_obs_state_read       (llama_kvp_context * st, const std::vector<uint8_t> & in, size_t & off);
+void llama_kvp_obs_layer_state_write(llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out);
+void llama_kvp_obs_layer_state_read (llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in, size_t & off);
 
 // KV layer ikv was reallocated with n_cells cells; remap[new cell] = old cell or -1
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap);
@@ -391,9 +399,6 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
 
 // exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);
-
-// forget the window queries in the ring (a loaded state does not hold them)
-void llama_kvp_obs_forget_queries(llama_kvp_context * st);
 
 // whether token i of the ubatch counts as one whose logits are read: the prompt's last where the caller said which it
 // is (llama_kvp_set_prompt_end), else a token that gives logits (summarise's settle, sparse prefill's dense segments)

@@ -20,7 +20,8 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 5; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 6; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
+                                                      // 6: the cells' layout, the observation state, the step counters
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -1105,31 +1106,43 @@ void llama_kvp_memory::state_write_cur(llama_io_write_i & io, llama_seq_id seq_i
     io.write(stages, sizeof(stages));
     const llama_pos ends[2] = { pos_end, pos_exact };
     io.write(ends, sizeof(ends));
+    const int32_t steps[2] = { n_since_prompt, n_steps_total };
+    io.write(steps, sizeof(steps));
     for (const auto & L : layers) {
         const uint32_t lb[2] = { L.budget, L.capacity };
         io.write(lb, sizeof(lb));
     }
+    // the observation state (window queries, prompt entropies, counters), so that a loaded context decides as this one
+    std::vector<uint8_t> blob;
+    const bool obs = st && st->observing();
+    if (obs) {
+        llama_kvp_obs_state_write(st, blob);
+    }
+    state_write_blob(io, blob);
     for (size_t i = 0; i < layers.size(); ++i) {
-        layers[i].kv->state_write(io, seq_id, flags);
+        const auto & L = layers[i];
 
-        // the eviction scores of the layer's tokens, by position (cells are renumbered on load)
-        std::vector<float>     acc;
-        std::vector<llama_pos> obs_pos;
-        if (st) {
-            llama_kvp_obs_layer_scores(st, (int32_t) i, acc, obs_pos);
-        }
-        std::vector<std::pair<int32_t, float>> scores;
-        for (size_t j = 0; j < obs_pos.size(); ++j) {
-            if (obs_pos[j] >= 0 && obs_pos[j] == llama_kvp_kv_access::cell_pos(*layers[i].kv, (uint32_t) j)) {
-                scores.emplace_back(obs_pos[j], acc[j]);
+        // the cells' layout (llama.cpp's own load places a cache's cells from cell 0): loaded where they were, the
+        // cells are attended in the same order (a quantized cache rounds the same), the next tokens land in the same
+        // cells, and the per-cell observation state below applies as it is
+        std::vector<uint32_t> used;
+        for (uint32_t j = 0; j < L.kv->get_size(); ++j) {
+            if (llama_kvp_kv_access::cell_pos(*L.kv, j) >= 0) {
+                used.push_back(j);
             }
         }
-        const uint32_t n = (uint32_t) scores.size();
-        io.write(&n, sizeof(n));
-        for (const auto & [p, x] : scores) {
-            io.write(&p, sizeof(p));
-            io.write(&x, sizeof(x));
+        const uint32_t lay[2] = { llama_kvp_kv_access::head(*L.kv), (uint32_t) used.size() };
+        io.write(lay, sizeof(lay));
+        io.write(used.data(), used.size()*sizeof(uint32_t));
+        L.kv->state_write(io, seq_id, flags);
+        io.write(&L.entropy, sizeof(L.entropy));
+        io.write(&L.n_evicted, sizeof(L.n_evicted));
+
+        blob.clear();
+        if (obs) {
+            llama_kvp_obs_layer_state_write(st, (int32_t) i, blob);
         }
+        state_write_blob(io, blob);
 
         // the mask biases of the fate stage's cells, by position
         const uint32_t nb = (uint32_t) layers[i].bias.size();
@@ -1140,14 +1153,38 @@ void llama_kvp_memory::state_write_cur(llama_io_write_i & io, llama_seq_id seq_i
         }
 
         // the fate stage's tokens of the layer (the host tier)
-        std::vector<uint8_t> blob;
+        blob.clear();
         stage_fate->state_write(*this, (int32_t) i, blob);
-        const uint64_t n_blob = blob.size();
-        io.write(&n_blob, sizeof(n_blob));
-        if (n_blob > 0) {
-            io.write(blob.data(), blob.size());
+        state_write_blob(io, blob);
+
+        // the schedule stage's state of the layer (the freeze's counts)
+        blob.clear();
+        if (stage_schedule) {
+            stage_schedule->state_write(*this, (int32_t) i, blob);
         }
+        state_write_blob(io, blob);
     }
+}
+
+void llama_kvp_memory::state_write_blob(llama_io_write_i & io, const std::vector<uint8_t> & blob) {
+    const uint64_t n = blob.size();
+    io.write(&n, sizeof(n));
+    if (n > 0) {
+        io.write(blob.data(), blob.size());
+    }
+}
+
+std::vector<uint8_t> llama_kvp_memory::state_read_blob(llama_io_read_i & io, const char * what) {
+    uint64_t n = 0;
+    io.read(&n, sizeof(n));
+    if (n > ((uint64_t) 1 << 40)) {
+        throw std::runtime_error(std::string("pykvcache: corrupt ") + what + " in the state");
+    }
+    std::vector<uint8_t> blob(n);
+    if (n > 0) {
+        io.read(blob.data(), blob.size());
+    }
+    return blob;
 }
 
 void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
@@ -1187,6 +1224,8 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
     if (ends[0] < 0 || ends[1] < 0) {
         throw std::runtime_error("pykvcache: corrupt sequence end in the state");
     }
+    int32_t steps[2] = {};
+    io.read(steps, sizeof(steps));
     budget    = hdr[4];
     n_prompt  = (int32_t) hdr[5];
     pos_end   = ends[0];
@@ -1198,12 +1237,20 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
             throw std::runtime_error("pykvcache: the saved layer capacity " + std::to_string(lb[2*i + 1]) + " does not fit this context");
         }
     }
-    if (st) {
-        llama_kvp_obs_reset(st);
-        llama_kvp_obs_forget_queries(st); // the window queries are not in the state
+    n_since_prompt = steps[0];
+    n_steps_total  = steps[1];
+    const bool obs = st && st->observing();
+    std::vector<uint8_t> blob = state_read_blob(io, "observation state");
+    if (obs != !blob.empty()) {
+        throw std::runtime_error("pykvcache: corrupt observation state in the state");
     }
-    // the stages' own state restarts: the fate stage's pending work and the freeze counts are not in the state (the
-    // host tier is, below)
+    if (obs) {
+        llama_kvp_obs_reset(st);
+        size_t off = 0;
+        llama_kvp_obs_state_read(st, blob, off);
+    }
+    // the stages' own state, from the state below (the fate stage's pending bins or host tier, the freeze's counts);
+    // the freeze's recovery ladder restarts its statistics
     stage_fate->forget(*this, 0, -1);
     if (stage_schedule) {
         stage_schedule->forget(*this, 0, -1);
@@ -1215,20 +1262,38 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
             L.kv->clear(true);
             resize((int32_t) i, lb[2*i + 1]);
         }
-        L.kv->state_read(io, seq_id, flags);
+        uint32_t lay[2] = {};
+        io.read(lay, sizeof(lay));
+        if (lay[1] > L.capacity || lay[0] > L.capacity) {
+            throw std::runtime_error("pykvcache: corrupt cell layout in the state");
+        }
+        llama_kv_cache::slot_info_vec_t sinfos(1);
+        sinfos[0].resize(1);
+        sinfos[0].idxs[0].resize(lay[1]);
+        io.read(sinfos[0].idxs[0].data(), lay[1]*sizeof(uint32_t));
+        for (uint32_t k = 0; k < lay[1]; ++k) {
+            if (sinfos[0].idxs[0][k] >= L.capacity || (k > 0 && sinfos[0].idxs[0][k] <= sinfos[0].idxs[0][k - 1])) {
+                throw std::runtime_error("pykvcache: corrupt cell layout in the state");
+            }
+        }
+        // loaded as one sequence's cells into the cells they held (llama.cpp's restore of a sequence into a given layout)
+        L.kv->clear(true);
+        L.kv->state_read_sinfo(io, seq_cur, flags, nullptr, lay[1] > 0 ? &sinfos : nullptr);
+        llama_kvp_kv_access::head_set(*L.kv, lay[0]);
+        L.order.clear();
+        L.order_pos.clear();
+        io.read(&L.entropy, sizeof(L.entropy));
+        const int64_t n_evicted_was = L.n_evicted;
+        io.read(&L.n_evicted, sizeof(L.n_evicted));
+        n_evicted += L.n_evicted - n_evicted_was; // the memory's count stays the sum of its layers'
 
-        uint32_t n = 0;
-        io.read(&n, sizeof(n));
-        if (n > L.capacity) {
-            throw std::runtime_error("pykvcache: corrupt layer scores in the state");
+        blob = state_read_blob(io, "layer observation");
+        if (obs != !blob.empty()) {
+            throw std::runtime_error("pykvcache: corrupt layer observation in the state");
         }
-        std::vector<std::pair<int32_t, float>> scores(n);
-        for (auto & [p, x] : scores) {
-            io.read(&p, sizeof(p));
-            io.read(&x, sizeof(x));
-        }
-        if (st) {
-            llama_kvp_obs_layer_set_scores(st, (int32_t) i, scores);
+        if (obs) {
+            size_t off = 0;
+            llama_kvp_obs_layer_state_read(st, (int32_t) i, blob, off);
         }
 
         uint32_t nb = 0;
@@ -1248,16 +1313,16 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
             L.bias[p] = b;
         }
 
-        uint64_t n_blob = 0;
-        io.read(&n_blob, sizeof(n_blob));
-        if (n_blob > ((uint64_t) 1 << 40)) {
-            throw std::runtime_error("pykvcache: corrupt fate-stage data in the state");
-        }
-        std::vector<uint8_t> blob(n_blob);
-        if (n_blob > 0) {
-            io.read(blob.data(), blob.size());
-        }
+        blob = state_read_blob(io, "fate-stage data");
         stage_fate->state_read(*this, (int32_t) i, blob);
+
+        blob = state_read_blob(io, "schedule-stage data");
+        if (!blob.empty() && !stage_schedule) {
+            throw std::runtime_error("pykvcache: corrupt schedule-stage data in the state");
+        }
+        if (stage_schedule) {
+            stage_schedule->state_read(*this, (int32_t) i, blob);
+        }
     }
     budgets_set = stage_budget->uses_entropy();
 }

@@ -224,6 +224,8 @@ private:
     bool seq_rm_cur(llama_pos p0, llama_pos p1);
     void state_write_cur(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const;
     void state_read_cur (llama_io_read_i  & io, llama_seq_id seq_id, llama_state_seq_flags flags);
+    static void                 state_write_blob(llama_io_write_i & io, const std::vector<uint8_t> & blob); // length, bytes
+    static std::vector<uint8_t> state_read_blob (llama_io_read_i  & io, const char * what);
 
 private:
     uint32_t resolve_budget(int32_t n_prompt) const;

@@ -88,6 +88,14 @@ void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos po
     kv.v_cells[0].seq_add(i, seq);
 }
 
+uint32_t llama_kvp_kv_access::head(const llama_kv_cache & kv) {
+    return kv.v_heads[0];
+}
+
+void llama_kvp_kv_access::head_set(llama_kv_cache & kv, uint32_t h) {
+    kv.v_heads[0] = h < kv.get_size() ? h : 0;
+}
+
 const float * llama_kvp_kv_access::rot(const llama_kv_cache & kv, bool v, int32_t & n) {
     n = 0;
     if (!(v ? kv.attn_rot_v : kv.attn_rot_k)) {
@@ -1308,31 +1316,112 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     llama_kvp_update_n_cells(st);
 }
 
-void llama_kvp_obs_layer_set_scores(llama_kvp_context * st, int32_t ikv, const std::vector<std::pair<int32_t, float>> & scores) {
-    auto & L = st->layers[ikv];
-    if (!st->observing() || scores.empty()) {
-        return;
+// a vector of a saved state: its length, then its elements
+template <typename T>
+static void llama_kvp_state_put_vec(std::vector<uint8_t> & out, const std::vector<T> & v) {
+    const uint64_t n = v.size();
+    llama_kvp_state_put(out, &n, sizeof(n));
+    llama_kvp_state_put(out, v.data(), n*sizeof(T));
+}
+
+template <typename T>
+static void llama_kvp_state_get_vec(const std::vector<uint8_t> & in, size_t & off, std::vector<T> & v, const char * what) {
+    uint64_t n = 0;
+    llama_kvp_state_get(in, off, &n, sizeof(n), what);
+    if (n > (in.size() - off)/sizeof(T)) {
+        throw std::runtime_error(std::string("pykvcache: corrupt ") + what + " in the state");
     }
-    std::map<llama_pos, float> by_pos(scores.begin(), scores.end());
-    llama_kv_cache * kv = st->layer_kv(ikv);
-    // a restored score is also the cell's last observation; the value norms are not known (the host computes them
-    // where an eviction comes before the next observation)
-    std::vector<float> acc(3*(size_t) L.n_cells, 0.0f);
-    std::fill(acc.begin() + 2*(size_t) L.n_cells, acc.end(), NAN);
-    int32_t n_kv = 0;
-    for (int32_t j = 0; j < L.n_cells && j < (int32_t) kv->get_size(); ++j) {
-        const llama_pos p = llama_kvp_kv_access::cell_pos(*kv, (uint32_t) j);
-        auto it = p >= 0 ? by_pos.find(p) : by_pos.end();
-        L.cell_pos_obs[j] = it != by_pos.end() ? p : -2;
-        if (it != by_pos.end()) {
-            acc[j]             = it->second;
-            acc[L.n_cells + j] = it->second;
-            n_kv               = j + 1;
+    v.resize(n);
+    llama_kvp_state_get(in, off, v.data(), n*sizeof(T), what);
+}
+
+void llama_kvp_obs_state_write(const llama_kvp_context * st, std::vector<uint8_t> & out) {
+    const int32_t n[8] = { st->n_ent, st->n_obs_prompt, st->n_obs_folded, st->n_decode, st->n_obs, st->n_kv_obs,
+                           st->n_queries_obs, st->n_steps };
+    llama_kvp_state_put(out, n, sizeof(n));
+    llama_kvp_state_put_vec(out, st->slot_pos);
+    llama_kvp_state_put_vec(out, st->ent_sum);
+}
+
+void llama_kvp_obs_state_read(llama_kvp_context * st, const std::vector<uint8_t> & in, size_t & off) {
+    const char * what = "observation state";
+    int32_t n[8] = {};
+    llama_kvp_state_get(in, off, n, sizeof(n), what);
+    std::vector<llama_pos> slot_pos;
+    std::vector<double>    ent_sum;
+    llama_kvp_state_get_vec(in, off, slot_pos, what);
+    llama_kvp_state_get_vec(in, off, ent_sum, what);
+    if (slot_pos.size() != st->slot_pos.size() || ent_sum.size() != st->ent_sum.size()) {
+        throw std::runtime_error("pykvcache: the observation state was saved with another window or layer count");
+    }
+    st->n_ent         = n[0];
+    st->n_obs_prompt  = n[1];
+    st->n_obs_folded  = n[2];
+    st->n_decode      = n[3];
+    st->n_obs         = n[4];
+    st->n_kv_obs      = n[5];
+    st->n_queries_obs = n[6];
+    st->n_steps       = n[7];
+    st->obs_requested = false;
+    st->slot_pos      = std::move(slot_pos);
+    st->ent_sum       = std::move(ent_sum);
+}
+
+// the layer's observation tensors, in the order they are saved (mass_rows: nullptr without decode rows)
+static std::vector<ggml_tensor *> llama_kvp_obs_layer_tensors(const llama_kvp_obs_layer & L) {
+    return { L.q_ring, L.mass, L.mass_acc, L.entropy, L.mass_rows };
+}
+
+void llama_kvp_obs_layer_state_write(llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out) {
+    const auto & L = st->layers[ikv];
+    llama_kvp_sync(st);
+    const int32_t hdr[4] = { L.n_cells, L.n_kv_obs, L.q_ent_obs, L.mass_rows ? 1 : 0 };
+    llama_kvp_state_put(out, hdr, sizeof(hdr));
+    for (ggml_tensor * t : llama_kvp_obs_layer_tensors(L)) {
+        if (t) {
+            const size_t o = out.size();
+            out.resize(o + ggml_nbytes(t));
+            ggml_backend_tensor_get(t, out.data() + o, 0, ggml_nbytes(t));
         }
     }
-    L.n_kv_obs = n_kv;
+    llama_kvp_state_put_vec(out, L.cell_pos_obs);
+    llama_kvp_state_put_vec(out, L.row_step);
+    llama_kvp_state_put_vec(out, L.cell_step);
+    llama_kvp_state_put_vec(out, L.cell_pos_row);
+    llama_kvp_state_put_vec(out, L.q_ent);
+    llama_kvp_state_put_vec(out, L.q_ent_pos);
+}
+
+void llama_kvp_obs_layer_state_read(llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in, size_t & off) {
+    const char * what = "layer observation";
+    auto & L = st->layers[ikv];
+    int32_t hdr[4] = {};
+    llama_kvp_state_get(in, off, hdr, sizeof(hdr), what);
+    if (hdr[0] != L.n_cells || hdr[3] != (L.mass_rows ? 1 : 0)) {
+        throw std::runtime_error("pykvcache: the observation of layer " + std::to_string(ikv) + " was saved for " +
+                std::to_string(hdr[0]) + " cells, this context's layer has " + std::to_string(L.n_cells));
+    }
     llama_kvp_sync(st);
-    ggml_backend_tensor_set(L.mass_acc, acc.data(), 0, acc.size()*sizeof(float));
+    std::vector<uint8_t> buf;
+    for (ggml_tensor * t : llama_kvp_obs_layer_tensors(L)) {
+        if (t) {
+            buf.resize(ggml_nbytes(t));
+            llama_kvp_state_get(in, off, buf.data(), buf.size(), what);
+            ggml_backend_tensor_set(t, buf.data(), 0, buf.size());
+        }
+    }
+    llama_kvp_state_get_vec(in, off, L.cell_pos_obs, what);
+    llama_kvp_state_get_vec(in, off, L.row_step, what);
+    llama_kvp_state_get_vec(in, off, L.cell_step, what);
+    llama_kvp_state_get_vec(in, off, L.cell_pos_row, what);
+    llama_kvp_state_get_vec(in, off, L.q_ent, what);
+    llama_kvp_state_get_vec(in, off, L.q_ent_pos, what);
+    if (L.cell_pos_obs.size() != (size_t) L.n_cells || L.q_ent.size() != L.q_ent_pos.size() ||
+        L.cell_step.size() != L.cell_pos_row.size() || hdr[1] < 0 || hdr[1] > L.n_cells) {
+        throw std::runtime_error("pykvcache: corrupt layer observation in the state");
+    }
+    L.n_kv_obs  = hdr[1];
+    L.q_ent_obs = hdr[2];
 }
 
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o) {
@@ -1445,10 +1534,6 @@ bool llama_kvp_reads_logits(const llama_kvp_context * st, const llama_ubatch & u
         return ubatch.pos[i] == st->prompt_end;
     }
     return ubatch.output && ubatch.output[i];
-}
-
-void llama_kvp_obs_forget_queries(llama_kvp_context * st) {
-    std::fill(st->slot_pos.begin(), st->slot_pos.end(), -1);
 }
 
 void llama_kvp_obs_layer_forget(llama_kvp_context * st, int32_t ikv, llama_pos p0, llama_pos p1) {

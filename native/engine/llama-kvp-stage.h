@@ -10,7 +10,10 @@
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -116,11 +119,24 @@ struct llama_kvp_schedule_stage : llama_kvp_stage {
 
     // the positions [p0, p1) of the sequence were removed (p1 < 0: to its end)
     virtual void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const { (void) mem; (void) p0; (void) p1; }
+
+    // what a saved state holds of the stage's own state of KV layer ikv (nothing by default), and its restoration
+    virtual void state_write(const llama_kvp_memory & mem, int32_t ikv, std::vector<uint8_t> & out) const { (void) mem; (void) ikv; (void) out; }
+    virtual void state_read (llama_kvp_memory & mem, int32_t ikv, const std::vector<uint8_t> & in) const { (void) mem; (void) ikv; (void) in; }
 };
 
 // appends n bytes at x to a stage's saved state (state_write)
 static inline void llama_kvp_state_put(std::vector<uint8_t> & out, const void * x, size_t n) {
     out.insert(out.end(), (const uint8_t *) x, (const uint8_t *) x + n);
+}
+
+// copies the next n bytes of a saved state (from off, which advances) to x; throws naming what if the state is shorter
+static inline void llama_kvp_state_get(const std::vector<uint8_t> & in, size_t & off, void * x, size_t n, const char * what) {
+    if (n > in.size() - std::min(off, in.size())) {
+        throw std::runtime_error(std::string("pykvcache: corrupt ") + what + " in the state");
+    }
+    memcpy(x, in.data() + off, n);
+    off += n;
 }
 
 struct llama_kvp_fate_stage : llama_kvp_stage {
