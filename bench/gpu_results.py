@@ -145,6 +145,8 @@ RUN4 = [
     ("kvbench-gpu-n512.json", "Summarise's decode over 512 steps (`run2.sh`), with its own host time per decoded token:"),
     ("kvbench-gpu-n256.json", "Its transfer cost: 4k prompt, 256 steps, every layer on the GPU:"),
     ("kvbench-cpu16-n256.json", "... and the same on the device machine's CPU (`-ngl 0`, 16 threads):"),
+    ("kvbench-lam.json", "Summarise's ordering of the leavers (`run3.sh`: `lam=0` orders by score alone), 4k prompt, 256 "
+                         "steps, 2 repetitions:"),
 ]
 
 
