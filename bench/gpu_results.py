@@ -147,6 +147,9 @@ RUN4 = [
     ("kvbench-cpu16-n256.json", "... and the same on the device machine's CPU (`-ngl 0`, 16 threads):"),
     ("kvbench-lam.json", "Summarise's ordering of the leavers (`run3.sh`: `lam=0` orders by score alone), 4k prompt, 256 "
                          "steps, 2 repetitions:"),
+    ("kvbench-lam-r3.json", "The same on another H200, 3 repetitions (`run4.sh`):"),
+    ("kvbench-lam-threads.json", "And on a third, with an uncommitted change (the entropies of all layers computed "
+                                 "on 16 threads; no gain, not kept; `run5.sh`):"),
 ]
 
 
