@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill", default=None,
                    help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
                         "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192")
+    e.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16",
+                   help="KV cache type of K of every row but the reference, the f16 full cache (default: f16); adds a "
+                        "row for the full cache on the chosen types")
+    e.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16",
+                   help="KV cache type of V, likewise (default: f16; a quantized type runs with flash attention)")
     e.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
     e.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default: 2)")
     e.add_argument("-o", "--output", default="kv_eval", help="output folder (default: kv_eval)")
@@ -372,6 +377,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.stream = args.stream
     cfg.threads, cfg.model_path, cfg.prefill, cfg.text_file = args.threads, args.model, args.prefill, args.file
     cfg.corpus, cfg.needles = args.corpus, args.needles
+    cfg.type_k, cfg.type_v = args.cache_type_k, args.cache_type_v
     cfg.validate()
     out = Path(args.output)
     try:  # before the evaluation, which takes minutes

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import corpus
+from .cache_types import CACHE_TYPES
 from .llama import Llama
 from .policies import PolicyError, parse_policy
 
@@ -77,6 +78,8 @@ class EvalConfig:
     corpus: str = "essays"       # the registry corpus when there is no text_file (pykvcache.corpus.CORPORA)
     needles: str = "classic"     # classic: "special magic number" with 4 digits; varied: NEEDLE_SETS's other wordings
     prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
+    type_k: str = "f16"          # KV cache types of every row but the reference, which is the f16 full cache (-ctk / -ctv)
+    type_v: str = "f16"
 
     @classmethod
     def quick(cls) -> "EvalConfig":
@@ -127,6 +130,9 @@ class EvalConfig:
                                         f"({int(round(b * n))} tokens): {exc}") from exc
         if self.threads < 1:
             raise EvalError(f"-t/--threads must be >= 1 (got {self.threads})")
+        for flag, name in (("-ctk", self.type_k), ("-ctv", self.type_v)):
+            if name not in CACHE_TYPES:
+                raise EvalError(f"{flag} {name}: not a KV cache type (known: {', '.join(CACHE_TYPES)})")
         if self.n_agree < 1:
             raise EvalError(f"n_agree must be >= 1 (got {self.n_agree})")
         if self.corpus not in corpus.CORPORA:
@@ -144,6 +150,11 @@ class EvalConfig:
             if "+" in self.prefill or stages["prefill"] is None or any(stages[k] for k in stages if k != "prefill"):
                 raise EvalError(f"prefill must be one prefill stage spec, e.g. 'sparse' or 'sparse:base=512' "
                                 f"(got '{self.prefill}')")
+
+    @property
+    def typed(self) -> bool:
+        """Whether the rows run on other KV cache types than the reference's f16."""
+        return (self.type_k, self.type_v) != ("f16", "f16")
 
     @property
     def n_ctx(self) -> int:
@@ -223,12 +234,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 class Runner:
     """One context for one policy; teacher-forced logits and greedy decoding on llama-cpp-python's objects."""
 
-    def __init__(self, spec: Optional[str], cfg: EvalConfig) -> None:
+    def __init__(self, spec: Optional[str], cfg: EvalConfig, reference: bool = False) -> None:
         kwargs: Dict[str, Any] = {}
         if cfg.model_path:
             kwargs["model_path"] = cfg.model_path
         if cfg.prefill:
             kwargs["flash_attn"] = True  # the reference runs the attention the prefill mode replaces
+        if not reference and cfg.typed:
+            kwargs.update(type_k=CACHE_TYPES[cfg.type_k], type_v=CACHE_TYPES[cfg.type_v], flash_attn=True)
         self.llm = Llama(n_ctx=cfg.n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=cfg.threads,
                          n_threads_batch=cfg.threads, verbose=False, **kwargs)
         self.n_vocab = self.llm.n_vocab()
@@ -365,7 +378,7 @@ class Progress:
 def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     """Run every policy at every budget against the full cache; returns the results (JSON-ready)."""
     cfg.validate()
-    prog = Progress(1 + (cfg.prefill is not None) + len(cfg.policies) * len(cfg.budgets), quiet)
+    prog = Progress(1 + cfg.typed + (cfg.prefill is not None) + len(cfg.policies) * len(cfg.budgets), quiet)
 
     # the texts first, with a small context: a text too short for the settings fails before n_ctx is allocated
     small = Llama(n_ctx=256, verbose=False, **({"model_path": cfg.model_path} if cfg.model_path else {}))
@@ -375,7 +388,7 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
                  for c in needle_cases(small, hay_text, n, cfg.depths, cfg.seed, cfg.needles)]
     finally:
         small.close()
-    full = Runner(None, cfg)
+    full = Runner(None, cfg, reference=True)
 
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))
@@ -392,7 +405,7 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     def run_policy(name: str, frac: Optional[float]) -> Dict[str, Any]:
         row: Dict[str, Any] = {"policy": name, "budget_frac": frac}
         r = Runner(policy_spec(name, int(round((frac or 1.0) * (cfg.kl_tokens - cfg.stream))), cfg.prefill), cfg)
-        row["spec"] = r.llm.kv_policy.spec()
+        row["spec"] = r.llm.kv_policy.spec() if r.llm.kv_policy is not None else "full"
         row.update(compare_logprobs(ref_lp, stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)))
         row["budgets"] = r.llm.kv_memory().budgets
         trace: List[int] = []
@@ -415,6 +428,8 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
         return row
 
     runs = [base]
+    if cfg.typed:
+        runs.append(run_policy("full", None))  # the full cache on those types: what quantization alone costs
     if cfg.prefill:
         runs.append(run_policy("none", None))  # the full cache with the prefill mode alone
     for frac in cfg.budgets:
@@ -435,13 +450,18 @@ def markdown(results: Dict[str, Any]) -> str:
     lines = [] if default else [f"text: {results.get('source')}; needles: {cfg.get('needles', 'classic')}", ""]
     if cfg.get("prefill"):
         lines += [f"prefill mode of every row but full: {cfg['prefill']}", ""]
+    types = (cfg.get("type_k", "f16"), cfg.get("type_v", "f16"))
+    if types != ("f16", "f16"):
+        lines += [f"KV cache types of every row but the first (the reference, f16): K {types[0]}, V {types[1]}; "
+                  f"KV bytes against the f16 full cache", ""]
     lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
              " KV bytes (x full) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in results["runs"]:
+    for i, row in enumerate(results["runs"]):
         hits = row["needle_hits"]
         budget = "-" if row["budget_frac"] is None else f"{row['budget_frac']:.0%}"
-        lines.append(f"| {row['policy']} | {budget} | {row['kl_mean']:.4f} | {row['kl_p95']:.4f} | {row['top1']:.3f} "
+        label = row["policy"] if i == 0 or types == ("f16", "f16") else f"{row['policy']} [{types[0]}/{types[1]}]"
+        lines.append(f"| {label} | {budget} | {row['kl_mean']:.4f} | {row['kl_p95']:.4f} | {row['top1']:.3f} "
                      f"| {row['agree']}/{n_agree} | {sum(hits)}/{len(hits)} | "
                      f"{sum(full['needle_hits'])}/{len(full['needle_hits'])} | {row['bytes'] / full['bytes']:.3f} |")
     return "\n".join(lines)

@@ -195,6 +195,27 @@ def test_harness_with_a_prefill_mode(model_path):
     assert markdown(res).startswith("prefill mode of every row but full: sparse:")
 
 
+def test_harness_on_quantized_caches(model_path, tmp_path):
+    # -ctk / -ctv: the reference stays the f16 full cache; the full cache on those types is one more row, and every
+    # policy runs on them, its bytes against the f16 reference
+    cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
+                     depths=[0.5], n_agree=8, threads=2, model_path=model_path, type_k="q8_0", type_v="q8_0")
+    res = evaluate(cfg, quiet=True)
+    full, full8, sr = res["runs"]
+    assert full["kl_mean"] == 0.0 and full8["policy"] == "full" and full8["spec"] == "full"
+    assert 0.0 < full8["kl_mean"] < 0.05  # q8_0 alone: small but not nothing
+    # a q8_0 row of 3 KV heads x 64 dims: 6 blocks of 34 bytes against f16's 384 bytes
+    assert full8["bytes"] * 384 == pytest.approx(full["bytes"] * 6 * 34, rel=0.01)
+    assert sr["kl_mean"] > full8["kl_mean"] and sr["bytes"] < full8["bytes"]
+    md = markdown(res)
+    assert md.startswith("KV cache types of every row but the first (the reference, f16): K q8_0, V q8_0")
+    assert "| full [q8_0/q8_0] | - |" in md and "| sink_recent [q8_0/q8_0] | 50% |" in md
+    with pytest.raises(SystemExit):  # not a KV cache type: argparse's usage line
+        cli.main(["eval", "-ctv", "q3_k", "-o", str(tmp_path / "out"), "-q"])
+    with pytest.raises(EvalError, match="-ctk q3_k: not a KV cache type"):
+        EvalConfig(type_k="q3_k").validate()
+
+
 def _stdlib_text(n_modules: int) -> str:
     import argparse, collections, json, pathlib, subprocess as sp, textwrap, zipfile  # noqa: E401 - prose, not code
     mods = [argparse, collections, json, pathlib, sp, textwrap, zipfile][:n_modules]
