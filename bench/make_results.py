@@ -213,6 +213,27 @@ layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost
 {later}"""
 
 
+def cache_types_section(path: Path) -> str:
+    """Fidelity on quantized KV caches, from `pykvcache eval -ctk ... -ctv ... -o` JSON ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    from pykvcache.evaluate import markdown
+
+    res = json.loads(path.read_text())
+    return f"""
+## Fidelity on quantized KV caches
+
+```
+{res.get('command', 'pykvcache eval')}
+```
+
+Raw: [results/{path.name}](results/{path.name}). The protocol of "Fidelity" above (essays, classic needles, 4k
+tokens), every row but the first on the KV cache types named, against the same f16 full-cache reference.
+{note_of(res)}
+{markdown(res)}
+"""
+
+
 def corpus_section(path: Path, title: str) -> str:
     """A fidelity section with varied needles from `pykvcache eval --needles varied -o` JSON ('' when there is none)."""
     if not path.is_file():
@@ -317,6 +338,7 @@ def main(argv: List[str] | None = None) -> int:
                                "Fidelity on the essays with varied needles (the protocol of the second corpus)") +
                 corpus_section(res_dir / "eval_numpy-docs.json",
                                "Fidelity on a second corpus (technical documentation, varied needles)") +
+                cache_types_section(res_dir / "eval_q8_0.json") +
                 gpu_section(res_dir / "gpu"))
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]
