@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
@@ -213,36 +213,14 @@ layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost
 {later}"""
 
 
-def cache_types_section(path: Path) -> str:
-    """Fidelity on quantized KV caches, from `pykvcache eval -ctk ... -ctv ... -o` JSON ('' when there is none)."""
+def eval_section(path: Path, title: str, about: Callable[[Dict[str, Any]], str]) -> str:
+    """A fidelity section from `pykvcache eval -o` JSON: title, command, raw link, about(results), note, table ('' when
+    there is no such file)."""
     if not path.is_file():
         return ""
     from pykvcache.evaluate import markdown
 
     res = json.loads(path.read_text())
-    return f"""
-## Fidelity on quantized KV caches
-
-```
-{res.get('command', 'pykvcache eval')}
-```
-
-Raw: [results/{path.name}](results/{path.name}). The protocol of "Fidelity" above (essays, classic needles, 4k
-tokens), every row but the first on the KV cache types named, against the same f16 full-cache reference.
-{note_of(res)}
-{markdown(res)}
-"""
-
-
-def corpus_section(path: Path, title: str) -> str:
-    """A fidelity section with varied needles from `pykvcache eval --needles varied -o` JSON ('' when there is none)."""
-    if not path.is_file():
-        return ""
-    from pykvcache.evaluate import markdown
-
-    res = json.loads(path.read_text())
-    cfg = res["config"]
-    note = note_of(res)
     return f"""
 ## {title}
 
@@ -250,14 +228,26 @@ def corpus_section(path: Path, title: str) -> str:
 {res.get('command', 'pykvcache eval')}
 ```
 
-Raw: [results/{path.name}](results/{path.name}). Text: {res.get('source', cfg.get('corpus'))}; KL text: its first
+Raw: [results/{path.name}](results/{path.name}). {about(res)}
+{note_of(res)}
+{markdown(res)}
+"""
+
+
+def varied_needles(res: Dict[str, Any]) -> str:
+    """What a run with varied needles measured (a corpus section's `about`)."""
+    cfg = res["config"]
+    return f"""Text: {res.get('source', cfg.get('corpus'))}; KL text: its first
 texts up to {cfg['kl_tokens']} tokens, the rest the needle haystack. Needles ({cfg.get('needles')}): six wordings
 whose values are 4-7 digit numbers, first and last names or two-word phrases, at depths
 {', '.join(f'{d:g}' for d in cfg['depths'])} of {', '.join(str(n) for n in cfg['needle_lengths'])}-token prompts;
-hit if the greedy answer contains the value.
-{note}
-{markdown(res)}
-"""
+hit if the greedy answer contains the value."""
+
+
+def cache_types(res: Dict[str, Any]) -> str:
+    """What a run on quantized KV caches measured (its section's `about`)."""
+    return """The protocol of "Fidelity" above (essays, classic needles, 4k
+tokens), every row but the first on the KV cache types named, against the same f16 full-cache reference."""
 
 
 def gpu_section(d: Path) -> str:
@@ -334,11 +324,11 @@ def main(argv: List[str] | None = None) -> int:
              "h2o:budget=608", "--plot", str(res_dir / "freeze_active.png"), "-t", str(args.threads),
              "-o", str(freeze_json)])
     extra_md = (summarise_section(summarise_json) + freeze_section(freeze_json) +
-                corpus_section(res_dir / "eval_essays-varied.json",
-                               "Fidelity on the essays with varied needles (the protocol of the second corpus)") +
-                corpus_section(res_dir / "eval_numpy-docs.json",
-                               "Fidelity on a second corpus (technical documentation, varied needles)") +
-                cache_types_section(res_dir / "eval_q8_0.json") +
+                eval_section(res_dir / "eval_essays-varied.json",
+                             "Fidelity on the essays with varied needles (the protocol of the second corpus)", varied_needles) +
+                eval_section(res_dir / "eval_numpy-docs.json",
+                             "Fidelity on a second corpus (technical documentation, varied needles)", varied_needles) +
+                eval_section(res_dir / "eval_q8_0.json", "Fidelity on quantized KV caches", cache_types) +
                 gpu_section(res_dir / "gpu"))
     ev = json.loads((res_dir / "eval.json").read_text())
     cfg = ev["config"]

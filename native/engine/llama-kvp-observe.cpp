@@ -1316,25 +1316,6 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     llama_kvp_update_n_cells(st);
 }
 
-// a vector of a saved state: its length, then its elements
-template <typename T>
-static void llama_kvp_state_put_vec(std::vector<uint8_t> & out, const std::vector<T> & v) {
-    const uint64_t n = v.size();
-    llama_kvp_state_put(out, &n, sizeof(n));
-    llama_kvp_state_put(out, v.data(), n*sizeof(T));
-}
-
-template <typename T>
-static void llama_kvp_state_get_vec(const std::vector<uint8_t> & in, size_t & off, std::vector<T> & v, const char * what) {
-    uint64_t n = 0;
-    llama_kvp_state_get(in, off, &n, sizeof(n), what);
-    if (n > (in.size() - off)/sizeof(T)) {
-        throw std::runtime_error(std::string("pykvcache: corrupt ") + what + " in the state");
-    }
-    v.resize(n);
-    llama_kvp_state_get(in, off, v.data(), n*sizeof(T), what);
-}
-
 void llama_kvp_obs_state_write(const llama_kvp_context * st, std::vector<uint8_t> & out) {
     const int32_t n[8] = { st->n_ent, st->n_obs_prompt, st->n_obs_folded, st->n_decode, st->n_obs, st->n_kv_obs,
                            st->n_queries_obs, st->n_steps };

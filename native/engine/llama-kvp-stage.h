@@ -139,6 +139,26 @@ static inline void llama_kvp_state_get(const std::vector<uint8_t> & in, size_t &
     off += n;
 }
 
+// a vector in a saved state: its length, then its elements (put appends it, get reads it at off, which advances;
+// throws naming what if the state is shorter)
+template <typename T>
+static void llama_kvp_state_put_vec(std::vector<uint8_t> & out, const std::vector<T> & v) {
+    const uint64_t n = v.size();
+    llama_kvp_state_put(out, &n, sizeof(n));
+    llama_kvp_state_put(out, v.data(), n*sizeof(T));
+}
+
+template <typename T>
+static void llama_kvp_state_get_vec(const std::vector<uint8_t> & in, size_t & off, std::vector<T> & v, const char * what) {
+    uint64_t n = 0;
+    llama_kvp_state_get(in, off, &n, sizeof(n), what);
+    if (n > (in.size() - off)/sizeof(T)) {
+        throw std::runtime_error(std::string("pykvcache: corrupt ") + what + " in the state");
+    }
+    v.resize(n);
+    llama_kvp_state_get(in, off, v.data(), n*sizeof(T), what);
+}
+
 struct llama_kvp_fate_stage : llama_kvp_stage {
     using llama_kvp_stage::llama_kvp_stage;
 

@@ -238,11 +238,9 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
         }
         const auto & S = static_cast<const llama_kvp_freeze_state &>(*L.sched);
         const int32_t hdr[3] = { S.n_words, S.n_obs, S.n_steps };
-        const uint64_t n[2]  = { S.t_last.size(), S.bits.size() };
         llama_kvp_state_put(out, hdr, sizeof(hdr));
-        llama_kvp_state_put(out, n, sizeof(n));
-        llama_kvp_state_put(out, S.t_last.data(), S.t_last.size()*sizeof(int32_t));
-        llama_kvp_state_put(out, S.bits.data(), S.bits.size()*sizeof(uint64_t));
+        llama_kvp_state_put_vec(out, S.t_last);
+        llama_kvp_state_put_vec(out, S.bits);
     }
 
     void state_read(llama_kvp_memory & mem, int32_t ikv, const std::vector<uint8_t> & in) const override {
@@ -250,22 +248,21 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             return;
         }
         const char * what = "freeze counts";
-        int32_t  hdr[3] = {};
-        uint64_t n[2]   = {};
-        size_t   off    = 0;
+        int32_t hdr[3] = {};
+        size_t  off    = 0;
+        std::vector<int32_t>  t_last;
+        std::vector<uint64_t> bits;
         llama_kvp_state_get(in, off, hdr, sizeof(hdr), what);
-        llama_kvp_state_get(in, off, n, sizeof(n), what);
-        if (hdr[0] != mem.policy.hist/64 || n[1] != n[0]*(uint64_t) hdr[0] ||
-            in.size() != off + n[0]*sizeof(int32_t) + n[1]*sizeof(uint64_t)) {
+        llama_kvp_state_get_vec(in, off, t_last, what);
+        llama_kvp_state_get_vec(in, off, bits, what);
+        if (hdr[0] != mem.policy.hist/64 || bits.size() != t_last.size()*(size_t) hdr[0] || off != in.size()) {
             throw std::runtime_error("pykvcache: corrupt freeze counts in the state");
         }
         auto & S = llama_kvp_freeze_of(mem.layers[ikv], mem.policy.hist);
         S.n_obs   = hdr[1];
         S.n_steps = hdr[2];
-        S.t_last.resize(n[0]);
-        S.bits.resize(n[1]);
-        llama_kvp_state_get(in, off, S.t_last.data(), n[0]*sizeof(int32_t), what);
-        llama_kvp_state_get(in, off, S.bits.data(), n[1]*sizeof(uint64_t), what);
+        S.t_last  = std::move(t_last);
+        S.bits    = std::move(bits);
     }
 
     void forget(llama_kvp_memory & mem, llama_pos p0, llama_pos p1) const override {
