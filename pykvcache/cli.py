@@ -333,7 +333,8 @@ def _run_forwarding_signals(cmd: List[str], name: str, executable: Optional[str]
             signal.signal(s, handler)
     if rc < 0:
         sig = signal.Signals(-rc)
-        if sig not in (signal.SIGINT, signal.SIGTERM):
+        # SIGPIPE: the reader of its output went away (`| head`), as a shell pipeline expects
+        if sig not in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             print(f"pykvcache: error: {name} was killed by {sig.name}", file=sys.stderr)
         return 128 - rc
     return rc
@@ -394,7 +395,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the `pykvcache` console script."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        rc = _main(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return rc
+    except BrokenPipeError:
+        # the reader of stdout went away (`pykvcache ... | head`): end quietly, as a shell tool does, with nothing left
+        # for the interpreter to flush into the closed pipe at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: List[str]) -> int:
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     if argv[:1] == ["backend-check"]:

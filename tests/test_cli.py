@@ -29,6 +29,17 @@ def test_help():
     assert "--policy" in out.stdout and "+stage" in out.stdout and "pykvcache policies" in out.stdout
 
 
+@pytest.mark.parametrize("args", [("bench", "--help"), ("--help",), ("policies",)])
+def test_output_into_a_closed_pipe_ends_quietly(args):
+    # `pykvcache bench --help | head -1`: the reader goes before the writer is done
+    proc = subprocess.Popen([str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tempfile.gettempdir())
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "killed by" not in err, err
+
+
 def test_policies_lists_presets_and_stages():
     out = run("policies")
     assert out.returncode == 0
