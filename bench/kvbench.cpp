@@ -26,6 +26,13 @@
 #include <thread>
 #include <vector>
 
+#ifndef _WIN32
+#include <netdb.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+#endif
+
 struct kvbench_params {
     std::string              model;
     std::string              text_file;
@@ -36,6 +43,7 @@ struct kvbench_params {
     int32_t                  reps     = 3;
     int32_t                  n_threads    = 0;
     int32_t                  n_gpu_layers = 0;
+    std::string              rpc;          // RPC servers, as llama-bench's --rpc
     int32_t                  n_ctx    = 0;
     int32_t                  n_batch  = 512;
     std::vector<ggml_type>   type_k   = { GGML_TYPE_F16 }; // KV cache types, as llama-bench's -ctk / -ctv
@@ -186,6 +194,8 @@ static void kvbench_usage(const char * argv0) {
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
     printf("  -t, --threads N           CPU threads (default: the hardware threads of the machine)\n");
     printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
+    printf("  -rpc, --rpc SERVERS       RPC servers (host:port[,host:port..], started with `pykvcache rpc-server`) whose\n");
+    printf("                            devices take the offloaded layers and their KV caches (with -ngl)\n");
     printf("  -c, --ctx-size N          context size of every test (default: each test's depth + prompt + gen, raised to a\n");
     printf("                            policy's budget in tokens, padded to 256; the full cache's KV bytes, the reference of\n");
     printf("                            KV x, are those of the test's own context)\n");
@@ -219,6 +229,70 @@ static void kvbench_usage(const char * argv0) {
     std::vector<char> buf(n + 1);
     llama_kvp_policy_help(buf.data(), buf.size());
     printf("\npolicy specs, as in Python and the pykvcache CLI: %s", buf.data());
+}
+
+// whether a TCP connection to host:port opens (within 5 s)
+static bool kvbench_can_connect(const std::string & host, const std::string & port) {
+#ifdef _WIN32
+    (void) host; (void) port;
+    return true; // ggml-rpc's own connection says it there
+#else
+    addrinfo hints = {};
+    hints.ai_family   = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * res = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
+        return false;
+    }
+    bool ok = false;
+    for (addrinfo * a = res; a && !ok; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) {
+            continue;
+        }
+        timeval tv = { 5, 0 };
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+        ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    return ok;
+#endif
+}
+
+// registers the RPC servers of --rpc ("host:port[,host:port..]") as devices for the model, as llama-bench does;
+// each is reached first, since ggml-rpc aborts the process on a server it cannot reach (throws with its name)
+static void kvbench_add_rpc_servers(const std::string & servers) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    auto add = reg ? (ggml_backend_reg_t (*)(const char *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server") : nullptr;
+    if (!add) {
+        throw std::invalid_argument("--rpc: this build has no RPC backend (rebuild with -DGGML_RPC=ON)");
+    }
+    std::stringstream ss(servers);
+    std::string ep;
+    int32_t n = 0;
+    while (std::getline(ss, ep, ',')) {
+        if (ep.empty()) {
+            continue;
+        }
+        const size_t colon = ep.rfind(':');
+        if (colon == std::string::npos || colon == 0 || colon + 1 == ep.size() ||
+            ep.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+            throw std::invalid_argument("--rpc: '" + ep + "' is not host:port");
+        }
+        if (!kvbench_can_connect(ep.substr(0, colon), ep.substr(colon + 1))) {
+            throw std::invalid_argument("--rpc: RPC server " + ep + " cannot be reached; is `pykvcache rpc-server` running there?");
+        }
+        ggml_backend_reg_t r = add(ep.c_str());
+        if (!r) {
+            throw std::invalid_argument("--rpc: RPC server " + ep + " cannot be reached");
+        }
+        ggml_backend_register(r);
+        n++;
+    }
+    if (n == 0) {
+        throw std::invalid_argument("--rpc: no servers given (expected host:port[,host:port..])");
+    }
 }
 
 // returns 0 to run, 1 for --help, throws on bad input
@@ -264,6 +338,8 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             }
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
+        } else if (arg == "-rpc" || arg == "--rpc") {
+            params.rpc = value();
         } else if (arg == "-c" || arg == "--ctx-size") {
             params.n_ctx = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-ctk" || arg == "--cache-type-k") {
@@ -737,12 +813,13 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
 static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
                           const std::vector<kvbench_result> & limits) {
     char run[4096];
-    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"flash_attn\": %s, \"repetitions\": %d, \"tokens\": %s, ",
-            kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps,
+    const std::string rpc = params.rpc.empty() ? "null" : kvbench_json_str(params.rpc);
+    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, \"tokens\": %s, ",
+            kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps,
             kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
-        printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, params.flash_attn ? "true" : "false", params.reps);
+        printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
+                kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps);
         printf("  \"tokens\": %s,\n  \"results\": [\n", kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
             printf("    ");
@@ -923,6 +1000,14 @@ int main(int argc, char ** argv) {
         llama_log_set(kvbench_log_quiet, nullptr);
     }
     llama_backend_init();
+    if (!params.rpc.empty()) {
+        try {
+            kvbench_add_rpc_servers(params.rpc);
+        } catch (const std::exception & e) {
+            fprintf(stderr, "kvbench: %s\n", e.what());
+            return 1;
+        }
+    }
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = params.n_gpu_layers;

@@ -96,6 +96,11 @@ struct llama_kvp_obs_layer {
     std::vector<llama_pos> q_ent_pos;    // the position each value is of
     int32_t                q_ent_obs = -1;
 
+    // host copies of mass_acc's score rows and of mass_rows, read for every evicting layer at once by
+    // llama_kvp_obs_prefetch (empty: read when needed); valid for one eviction pass
+    std::vector<float> pre_acc;
+    std::vector<float> pre_rows;
+
     // sparse prefill state and telemetry (stages/prefill-sparse.cpp), nullptr without it
     ggml_context_ptr        sp_ctx;
     ggml_backend_buffer_ptr sp_buf;
@@ -125,6 +130,39 @@ struct llama_kvp_obs_seq {
     int32_t n_obs         = 0;
     int32_t n_kv_obs      = 0;
     int32_t n_queries_obs = 0;
+};
+
+struct llama_kvp_context;
+
+// many small reads of tensors in device memory as one transfer (llama-kvp-gather.cpp): pieces are added, then run()
+// fills the output of every piece; a piece in host memory is read at once, in place
+struct llama_kvp_gather {
+    struct piece {
+        ggml_tensor         * t     = nullptr;
+        bool                  trans = false; // a transposed V cache
+        uint32_t              size  = 0;     // the cache's cells
+        std::vector<uint32_t> idx;           // cells read (rows), or none: the f32 range [off, off + n)
+        size_t                off   = 0;
+        size_t                n     = 0;     // floats written to out
+        float               * out   = nullptr;
+    };
+
+    // cells idx of the cache tensor t (trans: a transposed V of `size` cells) as f32 rows [idx.size()][t->ne[0]] into out
+    void add_rows(ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, float * out);
+
+    // elements [off, off + n) of the f32 tensor t into out
+    void add_f32(ggml_tensor * t, size_t off, size_t n, float * out);
+
+    // reads the pieces added since the last run: per device one graph copying them into one staging tensor, one read
+    void run(llama_kvp_context * st);
+
+    std::vector<piece> pieces;
+};
+
+// a backend and graph allocator per device that gathers ran on (llama-kvp-gather.cpp)
+struct llama_kvp_gather_state;
+struct llama_kvp_gather_state_deleter {
+    void operator()(llama_kvp_gather_state * s) const;
 };
 
 struct llama_kvp_context {
@@ -165,6 +203,8 @@ struct llama_kvp_context {
     uint32_t n_ubatch     = 512;   // tokens per ubatch at most
 
     std::vector<llama_kvp_obs_seq> seqs; // by sequence id: the parked state of every sequence but the memory's current one
+
+    std::unique_ptr<llama_kvp_gather_state, llama_kvp_gather_state_deleter> gather; // made by the first gather off the host
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 
@@ -345,6 +385,12 @@ bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struc
 
 // waits for the context's graph computations (before reading or writing its buffers from the host)
 void llama_kvp_sync(llama_kvp_context * st);
+
+// reads in one gather what the eviction of layers ikvs reads of their observations: the first n_rows rows of the
+// scores (llama_kvp_obs_layer_scores) and, with rows, the decode rows (llama_kvp_obs_layer_query_entropy); only where
+// they are off the host (one transfer instead of one or two per layer). llama_kvp_obs_prefetch_clear ends the pass
+void llama_kvp_obs_prefetch(llama_kvp_context * st, const std::vector<int32_t> & ikvs, int32_t n_rows, bool rows);
+void llama_kvp_obs_prefetch_clear(llama_kvp_context * st);
 
 // folds new prompt observations into the per-layer mean entropy; true if there was one (out: mean per layer)
 bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out);

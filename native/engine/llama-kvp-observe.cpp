@@ -1126,6 +1126,35 @@ bool llama_kvp_obs_take_prompt_entropy(llama_kvp_context * st, float * out) {
     return true;
 }
 
+void llama_kvp_obs_prefetch(llama_kvp_context * st, const std::vector<int32_t> & ikvs, int32_t n_rows, bool rows) {
+    if (!st->observing()) {
+        return;
+    }
+    llama_kvp_gather g;
+    for (int32_t ikv : ikvs) {
+        auto & L = st->layers[ikv];
+        if (L.n_kv_obs <= 0 || !L.mass_acc->buffer || ggml_backend_buffer_is_host(L.mass_acc->buffer)) {
+            continue;
+        }
+        // the spans the readers read: from the first row's start to the last row's n_kv_obs-th cell
+        L.pre_acc.resize((size_t) (n_rows - 1)*L.n_cells + L.n_kv_obs);
+        g.add_f32(L.mass_acc, 0, L.pre_acc.size(), L.pre_acc.data());
+        if (rows && L.mass_rows) {
+            const size_t row_stride = L.mass_rows->nb[1]/sizeof(float);
+            L.pre_rows.resize((size_t) (st->policy.window - 1)*row_stride + L.n_kv_obs);
+            g.add_f32(L.mass_rows, 0, L.pre_rows.size(), L.pre_rows.data());
+        }
+    }
+    g.run(st);
+}
+
+void llama_kvp_obs_prefetch_clear(llama_kvp_context * st) {
+    for (auto & L : st->layers) {
+        L.pre_acc.clear();
+        L.pre_rows.clear();
+    }
+}
+
 void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector<float> & acc, std::vector<llama_pos> & obs_pos,
                                 std::vector<float> * last, std::vector<float> * value) {
     const auto & L = st->layers[ikv];
@@ -1143,8 +1172,14 @@ void llama_kvp_obs_layer_scores(llama_kvp_context * st, int32_t ikv, std::vector
     llama_kvp_sync(st);
     // the rows asked for, in one read from the first row's start to the last one's n_kv_obs-th cell
     const int32_t n_rows = value ? 3 : last ? 2 : 1;
-    std::vector<float> buf((size_t) (n_rows - 1)*L.n_cells + L.n_kv_obs);
-    ggml_backend_tensor_get(L.mass_acc, buf.data(), 0, buf.size()*sizeof(float));
+    const size_t  n_buf  = (size_t) (n_rows - 1)*L.n_cells + L.n_kv_obs;
+    std::vector<float> buf;
+    if (L.pre_acc.size() >= n_buf) { // read by llama_kvp_obs_prefetch
+        buf.assign(L.pre_acc.begin(), L.pre_acc.begin() + n_buf);
+    } else {
+        buf.resize(n_buf);
+        ggml_backend_tensor_get(L.mass_acc, buf.data(), 0, buf.size()*sizeof(float));
+    }
     for (int32_t r = 0; r < n_rows; ++r) {
         if (rows[r]) {
             std::copy_n(buf.begin() + (size_t) r*L.n_cells, L.n_kv_obs, rows[r]->begin());
@@ -1192,8 +1227,14 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
     llama_kvp_sync(st);
     const int32_t W = st->policy.window;
     const size_t  row_stride = L.mass_rows->nb[1]/sizeof(float);
-    std::vector<float> rows((size_t) (W - 1)*row_stride + n_kv);
-    ggml_backend_tensor_get(L.mass_rows, rows.data(), 0, rows.size()*sizeof(float));
+    const size_t  n_rows = (size_t) (W - 1)*row_stride + n_kv;
+    std::vector<float> buf;
+    const float * rows = L.pre_rows.data(); // read by llama_kvp_obs_prefetch
+    if (L.pre_rows.size() != n_rows) {
+        buf.resize(n_rows);
+        ggml_backend_tensor_get(L.mass_rows, buf.data(), 0, buf.size()*sizeof(float));
+        rows = buf.data();
+    }
     // the window's valid queries: the slots holding the last W positions
     llama_pos p_max = -1;
     for (llama_pos p : st->slot_pos) {

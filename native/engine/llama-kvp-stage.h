@@ -180,8 +180,14 @@ struct llama_kvp_fate_stage : llama_kvp_stage {
         (void) mem; (void) ikv; (void) i0; (void) i1; (void) cells;
     }
 
+    // whether rescore reads the window queries' entropy of each token (llama_kvp_obs_layer_query_entropy)
+    virtual bool uses_query_entropy(const llama_kvp_policy & p) const { (void) p; return false; }
+
+    // KV layer ikv is about to be reallocated (its cells move): reads the stage deferred from leave must happen now
+    virtual void before_resize(llama_kvp_memory & mem, int32_t ikv) const { (void) mem; (void) ikv; }
+
     // called once after every layer's eviction of a step: work the stage deferred in leave, done for all layers at
-    // once (summarise fits the bins that closed, in parallel)
+    // once (summarise reads every layer's leavers in one gather, then fits the bins that closed, in parallel)
     virtual void after_evictions(llama_kvp_memory & mem) const { (void) mem; }
 
     // whether the layers evict down to their budgets as soon as a prompt has been computed (a ubatch of 2+ tokens whose

@@ -350,6 +350,8 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     ggml_type              type  = GGML_TYPE_COUNT; // the rows' type, set at the first leavers (llama_kvp_summarise_bin_type)
     size_t                 row_k = 0; // bytes per K row, per V row
     size_t                 row_v = 0;
+    std::vector<uint32_t>  unread; // cells of the last pending tokens, whose K and V rows are not read yet (until the
+                                   // end of the eviction pass: llama_kvp_fate_summarise::read_leavers)
     std::vector<llama_pos> done;   // positions summarised (telemetry)
     llama_pos              pos_max = -1; // the largest position pending or summarised (forget has nothing past it)
     std::vector<std::pair<int32_t, int32_t>> closing; // bins that closed in this step's eviction: (tokens, centroids),
@@ -388,14 +390,10 @@ static void llama_kvp_summarise_row_get(const uint8_t * row, ggml_type t, int64_
     ggml_get_type_traits(t)->to_float(row + ggml_row_size(t, off), out, n);
 }
 
-// the bin state of KV layer ikv if bins closed in it this step (nullptr if none)
-static llama_kvp_summarise_state * llama_kvp_summarise_closing(llama_kvp_memory & mem, int32_t ikv) {
+// the bin state of KV layer ikv (nullptr if no token left it yet)
+static llama_kvp_summarise_state * llama_kvp_summarise_find(llama_kvp_memory & mem, size_t ikv) {
     auto & L = mem.layers[ikv];
-    if (!L.fate) {
-        return nullptr;
-    }
-    auto & S = static_cast<llama_kvp_summarise_state &>(*L.fate);
-    return S.closing.empty() ? nullptr : &S;
+    return L.fate ? static_cast<llama_kvp_summarise_state *>(L.fate.get()) : nullptr;
 }
 
 // a bin that closed: its tokens are the layer's pending [off, off + n), fitted into `rank` centroids per KV head
@@ -419,23 +417,6 @@ static llama_kvp_summarise_state & llama_kvp_summarise_of(llama_kvp_mem_layer & 
         L.fate = std::make_unique<llama_kvp_summarise_state>();
     }
     return static_cast<llama_kvp_summarise_state &>(*L.fate);
-}
-
-// bytes [offset, offset + size) of a tensor: in place when its buffer is in host memory, else copied into buf
-static const uint8_t * llama_kvp_tensor_bytes(ggml_tensor * t, size_t offset, size_t size, std::vector<uint8_t> & buf) {
-    if (t->buffer && ggml_backend_buffer_is_host(t->buffer)) {
-        return (const uint8_t *) t->data + offset;
-    }
-    buf.resize(size);
-    ggml_backend_tensor_get(t, buf.data(), offset, size);
-    return buf.data();
-}
-
-static void llama_kvp_row_set(ggml_tensor * t, uint32_t j, std::vector<uint8_t> & raw, const float * src) {
-    const size_t nb = ggml_row_size(t->type, t->ne[0]);
-    raw.resize(nb);
-    ggml_quantize_chunk(t->type, src, raw.data(), 0, 1, t->ne[0], nullptr);
-    ggml_backend_tensor_set(t, raw.data(), (size_t) j*t->nb[1], nb);
 }
 
 // orders tokens idx[0..n) (rows of k [*][d]) so that the groups of sizes r0[g+1] - r0[g], g in [g0, g1), are
@@ -635,89 +616,28 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         }
     }
 
+    // the leavers join the bin; their K and V rows are read later, for every layer at once (read_leavers): from
+    // device memory that is one transfer per step instead of a few per layer. Their cells are free now, and nothing
+    // writes them before the rows are read (the end of the eviction pass, or a resize of the layer, comes first)
+    bool uses_query_entropy(const llama_kvp_policy & p) const override {
+        return llama_kvp_summarise_lam(p) > 0.0f;
+    }
+
     void leave(llama_kvp_memory & mem, int32_t ikv, const std::vector<llama_kvp_cell> & leaving) const override {
         const auto t0 = std::chrono::steady_clock::now();
         auto & L = mem.layers[ikv];
         auto & S = llama_kvp_summarise_of(L);
-
-        ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
-        ggml_tensor * vt = llama_kvp_kv_access::layer_v(*L.kv, 0);
-        const int64_t n_embd_k = kt->ne[0];
-        const int64_t n_embd_v = vt->ne[0];
-        const bool    v_trans  = !mem.cparams.flash_attn; // as the memory made its caches
-        const uint32_t size    = L.kv->get_size();
-
-        std::vector<uint8_t> raw;
-        std::vector<uint8_t> v_buf;
-        const size_t v_es = ggml_type_size(vt->type); // transposed V is never quantized (llama.cpp needs flash attention for that)
-        // transposed V: in place in host memory; in device memory one read of the whole tensor for many leavers
-        // (prompt chunks), element reads for a few (decode steps)
-        const uint8_t * v_all = nullptr;
-        const bool v_host = vt->buffer && ggml_backend_buffer_is_host(vt->buffer);
-        if (v_trans && !leaving.empty() && (v_host || 8*leaving.size() > size)) {
-            v_all = llama_kvp_tensor_bytes(vt, 0, ggml_nbytes(vt), v_buf);
-        }
-
-        // the leavers' K rows (and V rows, not transposed) in one read each: one span transfer from device memory
-        // instead of one per row
-        std::vector<uint32_t> idx_in;
-        for (const auto & c : leaving) {
-            if (!L.bias.count(c.pos)) {
-                idx_in.push_back(c.idx);
-            }
-        }
-        std::vector<uint8_t> k_rows(idx_in.size()*ggml_row_size(kt->type, n_embd_k));
-        std::vector<uint8_t> v_rows(v_trans ? 0 : idx_in.size()*ggml_row_size(vt->type, n_embd_v));
-        llama_kvp_cells_read(kt, false, size, idx_in, k_rows.data());
-        if (!v_trans) {
-            llama_kvp_cells_read(vt, false, size, idx_in, v_rows.data());
-        }
-        std::vector<float> row_f(std::max(n_embd_k, n_embd_v));
-        if (S.type == GGML_TYPE_COUNT) {
-            const int32_t n_head_kv = mem.st ? mem.st->n_head_kv : 0;
-            S.type  = n_head_kv > 0 ? llama_kvp_summarise_bin_type(n_embd_k/n_head_kv, n_embd_v/n_head_kv) : GGML_TYPE_F16;
-            S.row_k = ggml_row_size(S.type, n_embd_k);
-            S.row_v = ggml_row_size(S.type, n_embd_v);
-        }
-        const ggml_from_float_t to_bin = ggml_get_type_traits(S.type)->from_float_ref;
-        // room for a whole bin at once: the pending rows grow to `bin` (and past it by a prompt chunk's leavers) without
-        // the doubling of one row at a time, which would hold up to twice the rows in host memory
-        const size_t n_rows = S.pos.size() + idx_in.size();
-        if (S.k.capacity() < n_rows*S.row_k) {
-            // no more than the layer's positions, whatever the bin (its rest is fitted where a prompt ends)
-            const size_t rows = std::max<size_t>(n_rows, std::min<size_t>(mem.policy.bin, mem.cparams.n_ctx_seq));
-            S.k.reserve(rows*S.row_k);
-            S.v.reserve(rows*S.row_v);
-        }
-        size_t i_in = 0;
         for (const auto & c : leaving) {
             if (L.bias.count(c.pos)) {
                 mem.cell_free(ikv, c.idx); // a centroid leaving is dropped
                 continue;
             }
-            const size_t n0 = S.pos.size();
             S.pos.push_back(c.pos);
             S.pos_max = std::max(S.pos_max, c.pos);
             S.score.push_back(c.score);
-            S.k.resize((n0 + 1)*S.row_k);
-            S.v.resize((n0 + 1)*S.row_v);
-            ggml_get_type_traits(kt->type)->to_float(k_rows.data() + i_in*ggml_row_size(kt->type, n_embd_k), row_f.data(), n_embd_k);
-            to_bin(row_f.data(), S.k.data() + n0*S.row_k, n_embd_k);
-            if (!v_trans) {
-                ggml_get_type_traits(vt->type)->to_float(v_rows.data() + i_in*ggml_row_size(vt->type, n_embd_v), row_f.data(), n_embd_v);
-            } else {
-                for (int64_t e = 0; e < n_embd_v; ++e) {
-                    const size_t off = ((size_t) e*size + c.idx)*v_es;
-                    const uint8_t * x = v_all ? v_all + off : llama_kvp_tensor_bytes(vt, off, v_es, raw);
-                    ggml_get_type_traits(vt->type)->to_float(x, row_f.data() + e, 1);
-                }
-            }
-            to_bin(row_f.data(), S.v.data() + n0*S.row_v, n_embd_v);
+            S.unread.push_back(c.idx);
             mem.cell_free(ikv, c.idx);
-            i_in++;
         }
-
-        llama_kvp_summarise_count_host(mem, S);
 
         const llama_kvp_summarise_bins bins(mem, S.pos.size());
         S.closing.clear();
@@ -730,6 +650,10 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         S.t_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     }
 
+    void before_resize(llama_kvp_memory & mem, int32_t ikv) const override {
+        (void) ikv;
+        read_leavers(mem);
+    }
     // the prompt's last leavers are evicted and fitted as soon as the prompt is computed, not at the first decode step
     // (kvbench, 4k prompt at 10%: that step took ~170 ms of fits, 0.89x eviction's decode over 128 steps)
     bool settles_prompt_end() const override { return true; }
@@ -738,12 +662,13 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     // shared out among the context's threads (the compute threads are idle while the memory evicts); the same
     // results for any number of threads
     void after_evictions(llama_kvp_memory & mem) const override {
+        read_leavers(mem);
         const auto t0 = std::chrono::steady_clock::now();
         llama_kvp_context * st = mem.st;
         std::vector<llama_kvp_summarise_job> jobs;
         for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
-            llama_kvp_summarise_state * Sp = llama_kvp_summarise_closing(mem, ikv);
-            if (!Sp) {
+            llama_kvp_summarise_state * Sp = llama_kvp_summarise_find(mem, ikv);
+            if (!Sp || Sp->closing.empty()) {
                 continue;
             }
             auto & S = *Sp;
@@ -825,8 +750,8 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.t_ms += t_fit*(double) j.n/(double) n_tokens;
         }
         for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
-            llama_kvp_summarise_state * Sp = llama_kvp_summarise_closing(mem, ikv);
-            if (!Sp) {
+            llama_kvp_summarise_state * Sp = llama_kvp_summarise_find(mem, ikv);
+            if (!Sp || Sp->closing.empty()) {
                 continue;
             }
             auto & S = *Sp;
@@ -973,6 +898,74 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
     }
 
 private:
+    // the K and V rows of every layer's leavers not read yet, into their bins (in the bins' row type): one gather,
+    // so from device memory one transfer for all layers (a transposed V: its elements gathered into rows on the
+    // device; read element by element, a decode step over RPC took 390 ms instead of 15)
+    void read_leavers(llama_kvp_memory & mem) const {
+        const auto t0 = std::chrono::steady_clock::now();
+        const bool v_trans = !mem.cparams.flash_attn; // as the memory made its caches
+        llama_kvp_gather g;
+        std::vector<std::vector<float>> kf(mem.layers.size());
+        std::vector<std::vector<float>> vf(mem.layers.size());
+        size_t n_all = 0;
+        std::vector<size_t> todo; // layers with rows to read
+        for (size_t ikv = 0; ikv < mem.layers.size(); ++ikv) {
+            llama_kvp_summarise_state * Sp = llama_kvp_summarise_find(mem, ikv);
+            if (!Sp || Sp->unread.empty()) {
+                continue;
+            }
+            todo.push_back(ikv);
+            auto & L = mem.layers[ikv];
+            auto & S = *Sp;
+            ggml_tensor * kt = llama_kvp_kv_access::layer_k(*L.kv, 0);
+            ggml_tensor * vt = llama_kvp_kv_access::layer_v(*L.kv, 0);
+            kf[ikv].resize(S.unread.size()*kt->ne[0]);
+            vf[ikv].resize(S.unread.size()*vt->ne[0]);
+            g.add_rows(kt, false,   L.kv->get_size(), S.unread, kf[ikv].data());
+            g.add_rows(vt, v_trans, L.kv->get_size(), S.unread, vf[ikv].data());
+            n_all += S.unread.size();
+        }
+        if (todo.empty()) {
+            return;
+        }
+        g.run(mem.st);
+        const double t_read = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        for (size_t ikv : todo) {
+            auto & L = mem.layers[ikv];
+            auto & S = *llama_kvp_summarise_find(mem, ikv);
+            const auto t1 = std::chrono::steady_clock::now();
+            const int64_t n_embd_k = llama_kvp_kv_access::layer_k(*L.kv, 0)->ne[0];
+            const int64_t n_embd_v = llama_kvp_kv_access::layer_v(*L.kv, 0)->ne[0];
+            if (S.type == GGML_TYPE_COUNT) {
+                const int32_t n_head_kv = mem.st ? mem.st->n_head_kv : 0;
+                S.type  = n_head_kv > 0 ? llama_kvp_summarise_bin_type(n_embd_k/n_head_kv, n_embd_v/n_head_kv) : GGML_TYPE_F16;
+                S.row_k = ggml_row_size(S.type, n_embd_k);
+                S.row_v = ggml_row_size(S.type, n_embd_v);
+            }
+            const ggml_from_float_t to_bin = ggml_get_type_traits(S.type)->from_float_ref;
+            // room for a whole bin at once: the pending rows grow to `bin` (and past it by a prompt chunk's leavers)
+            // without the doubling of one row at a time, which would hold up to twice the rows in host memory
+            const size_t n0     = S.k.size()/S.row_k;
+            const size_t n_rows = n0 + S.unread.size();
+            if (S.k.capacity() < n_rows*S.row_k) {
+                // no more than the layer's positions, whatever the bin (its rest is fitted where a prompt ends)
+                const size_t rows = std::max<size_t>(n_rows, std::min<size_t>(mem.policy.bin, mem.cparams.n_ctx_seq));
+                S.k.reserve(rows*S.row_k);
+                S.v.reserve(rows*S.row_v);
+            }
+            S.k.resize(n_rows*S.row_k);
+            S.v.resize(n_rows*S.row_v);
+            for (size_t i = 0; i < S.unread.size(); ++i) {
+                to_bin(kf[ikv].data() + i*n_embd_k, S.k.data() + (n0 + i)*S.row_k, n_embd_k);
+                to_bin(vf[ikv].data() + i*n_embd_v, S.v.data() + (n0 + i)*S.row_v, n_embd_v);
+            }
+            const double t_conv = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+            S.t_ms += t_read*(double) S.unread.size()/(double) n_all + t_conv; // the read's time shared by rows
+            S.unread.clear();
+            llama_kvp_summarise_count_host(mem, S);
+        }
+    }
+
     // fits the bin of job j for KV head h (its K and V of the bin's tokens, grouped by similar keys) into j.kc, j.vc
     void fit_head(const llama_kvp_memory & mem, llama_kvp_summarise_job & j, int32_t h, std::vector<float> & scratch) const {
         const llama_kvp_context * st = mem.st;
@@ -1079,9 +1072,6 @@ private:
         std::iota(ord.begin(), ord.end(), j.off);
         std::sort(ord.begin(), ord.end(), [&](int32_t a, int32_t b) { return S.pos[a] < S.pos[b]; });
 
-        std::vector<uint8_t> raw;
-        const uint32_t size = L.kv->get_size();
-        const size_t   v_es = ggml_type_size(vt->type);
         // the groups differ per head: the centroids take the bin's last `rank` positions (each cell its own
         // position; every later query sees the whole bin) and share its score
         float sc = 0.0f;
@@ -1089,26 +1079,29 @@ private:
             sc += S.score[j.off + t];
         }
         sc /= rank;
+        const size_t nb_k = llama_kvp_cell_bytes(kt, false);
+        const size_t nb_v = llama_kvp_cell_bytes(vt, v_trans);
+        std::vector<uint32_t> idx;
+        std::vector<uint8_t>  k_rows((size_t) rank*nb_k);
+        std::vector<uint8_t>  v_rows((size_t) rank*nb_v);
         for (int32_t r = 0; r < rank; ++r) {
             const llama_pos p_last = S.pos[ord[n - rank + r]];
-            const int32_t idx = mem.cell_place(j.ikv, p_last, std::log((float) j.cnt[r]));
-            if (idx < 0) {
+            const int32_t i = mem.cell_place(j.ikv, p_last, std::log((float) j.cnt[r]));
+            if (i < 0) {
                 continue; // no free cell (the protected tokens fill the layer): this run is dropped
             }
-            llama_kvp_row_set(kt, (uint32_t) idx, raw, j.kc.data() + (size_t) r*kt->ne[0]);
-            if (!v_trans) {
-                llama_kvp_row_set(vt, (uint32_t) idx, raw, j.vc.data() + (size_t) r*n_embd_v);
-            } else {
-                raw.resize(v_es);
-                for (int64_t e = 0; e < n_embd_v; ++e) {
-                    ggml_quantize_chunk(vt->type, j.vc.data() + (size_t) r*n_embd_v + e, raw.data(), 0, 1, 1, nullptr);
-                    ggml_backend_tensor_set(vt, raw.data(), ((size_t) e*size + idx)*v_es, v_es);
-                }
-            }
+            // in the cache's types (a transposed V is never quantized: its elements are its row's)
+            ggml_quantize_chunk(kt->type, j.kc.data() + (size_t) r*kt->ne[0], k_rows.data() + idx.size()*nb_k, 0, 1, kt->ne[0], nullptr);
+            ggml_quantize_chunk(vt->type, j.vc.data() + (size_t) r*n_embd_v,  v_rows.data() + idx.size()*nb_v, 0, 1, n_embd_v,  nullptr);
+            idx.push_back((uint32_t) i);
             if (st) {
-                llama_kvp_obs_cell_set_score(st, j.ikv, (uint32_t) idx, p_last, sc); // its tokens' score until observed
+                llama_kvp_obs_cell_set_score(st, j.ikv, (uint32_t) i, p_last, sc); // its tokens' score until observed
             }
         }
+        // the centroids' cells written together: a few transfers to device memory, not one per row or element
+        const uint32_t size = L.kv->get_size();
+        llama_kvp_cells_write(kt, false,   size, idx, k_rows.data());
+        llama_kvp_cells_write(vt, v_trans, size, idx, v_rows.data());
         for (int32_t t = 0; t < n; ++t) {
             S.done.push_back(S.pos[j.off + t]);
         }
