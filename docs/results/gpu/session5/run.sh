@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# For the next GPU session (prepared 2026-11-27 without a GPU, not run yet): summarise's decode against eviction by
+# the same policy with every layer on the GPU, after summarise's device reads became one gather per eviction pass
+# (llama-kvp-gather.cpp). Issue 14 asks >= 0.9x of eviction's decode; the fourth run measured 0.60-0.74x (H200),
+# with ~0.25 ms a token of leaver reads and 0.3-0.5 ms a step of the lam ordering. Flash attention on (kvbench's
+# default) and off (llama-cpp-python's default: a transposed V, which summarise read element by element before).
+# Run with the kit of docs/results/gpu/NOTE.md (scripts/gpu-kit.sh, the whole model in three parts).
+set -u
+source scripts/gpu-full-model.sh  # the kit's binaries, the joined model (B, M, T, LD_LIBRARY_PATH)
+L=$OUT/run.log
+T0=$(date +%s); say() { echo "[+$(( $(date +%s) - T0 ))s] $*" | tee -a $L; }
+nvidia-smi -L | tee $L
+for fa in on off; do
+  timeout 200 $B/kvbench -m $M -ngl 99 -t 16 -p 4096 -n 256 -r 3 -fa $fa -o json -f $T --policy snapkv:budget=0.1 \
+    --policy snapkv:budget=0.1+summarise --policy snapkv:budget=0.1+summarise:lam=0 --policy entropy:budget=0.1 \
+    --policy entropy:budget=0.1+summarise > $OUT/kvbench-fa-$fa.json 2>> $L; say "fa=$fa rc=$?"
+done
+# the same on the machine's CPU (-ngl 0), for the fate's own host time without device transfers
+timeout 150 $B/kvbench -m $M -ngl 0 -t 16 -p 4096 -n 256 -r 2 -o json --no-limit -f $T --policy snapkv:budget=0.1 \
+  --policy snapkv:budget=0.1+summarise > $OUT/kvbench-cpu.json 2>> $L; say "cpu rc=$?"
