@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <stdexcept>
 
 // a backend of each device that gathers ran on, with its graph allocator (kept for the context's life: a CUDA or RPC
 // backend is costly to create)
@@ -87,8 +86,8 @@ void llama_kvp_gather::add_f32(ggml_tensor * t, size_t off, size_t n, float * ou
     pieces.push_back(std::move(p));
 }
 
-// the pieces of one device: one graph into one staging tensor
-static void llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const std::vector<const llama_kvp_gather::piece *> & ps) {
+// the pieces of one device: one graph into one staging tensor; false (nothing read) if the device cannot run it
+static bool llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const std::vector<const llama_kvp_gather::piece *> & ps) {
     size_t n_ids   = 0;
     size_t n_total = 0;
     for (const auto * p : ps) {
@@ -99,7 +98,7 @@ static void llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const st
     ggml_init_params params = { n_tensors*ggml_tensor_overhead() + ggml_graph_overhead_custom(n_tensors, false), nullptr, true };
     ggml_context_ptr ctx(ggml_init(params));
     if (!ctx) {
-        throw std::runtime_error("pykvcache: out of memory for a gather graph");
+        return false;
     }
     ggml_context * c = ctx.get();
     ggml_cgraph * gf = ggml_new_graph_custom(c, n_tensors, false);
@@ -125,11 +124,11 @@ static void llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const st
             // cell by cell, so that the result is rows of cells all the same (a copy of the whole tensor made
             // contiguous first costs more than the leavers: ~8 ms a step over RPC)
             const int64_t ne0    = t->ne[0];
-            const size_t  n_ids  = p->trans ? p->idx.size()*(size_t) ne0 : p->idx.size();
+            const size_t  n_read = p->trans ? p->idx.size()*(size_t) ne0 : p->idx.size();
             ggml_tensor * rows_of = p->trans
                 ? ggml_view_2d(c, t, 1, (int64_t) p->size*ne0, ggml_type_size(t->type), 0)
                 : ggml_view_2d(c, t, ne0, p->size, t->nb[1], 0);
-            ggml_tensor * ids_view = ggml_view_1d(c, idx_all, n_ids, ids.size()*sizeof(int32_t));
+            ggml_tensor * ids_view = ggml_view_1d(c, idx_all, n_read, ids.size()*sizeof(int32_t));
             src = ggml_get_rows(c, rows_of, ids_view); // f32 [ne0, n] or [1, n*ne0]
             ok = ggml_backend_supports_op(d.backend, src);
             if (ok && p->trans) {
@@ -153,16 +152,16 @@ static void llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const st
         i_out += p->n;
     }
     if (in_graph.empty()) {
-        return;
+        return true;
     }
     if (!ggml_gallocr_alloc_graph(d.galloc, gf)) {
-        throw std::runtime_error("pykvcache: cannot allocate a gather graph on the device");
+        return false; // no device memory for it: the pieces are read the plain way
     }
     if (!ids.empty()) {
         ggml_backend_tensor_set(idx_all, ids.data(), 0, ids.size()*sizeof(int32_t));
     }
     if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
-        throw std::runtime_error("pykvcache: a gather graph failed on the device");
+        return false;
     }
     std::vector<float> host(i_out);
     ggml_backend_tensor_get(staging, host.data(), 0, i_out*sizeof(float));
@@ -171,13 +170,20 @@ static void llama_kvp_gather_dev(llama_kvp_gather_state::dev_state & d, const st
         std::copy_n(host.data() + i_out, p->n, p->out);
         i_out += p->n;
     }
+    return true;
 }
 
 void llama_kvp_gather::run(llama_kvp_context * st) {
     if (pieces.empty()) {
         return;
     }
-    GGML_ASSERT(st);
+    if (!st) { // no context to gather with
+        for (const auto & p : pieces) {
+            llama_kvp_gather_plain(p);
+        }
+        pieces.clear();
+        return;
+    }
     llama_kvp_sync(st); // the context's graphs have written what is read
     if (!st->gather) {
         st->gather.reset(new llama_kvp_gather_state());
@@ -192,13 +198,13 @@ void llama_kvp_gather::run(llama_kvp_context * st) {
             d.backend = ggml_backend_dev_init(dev, nullptr);
             d.galloc  = d.backend ? ggml_gallocr_new(ggml_backend_get_default_buffer_type(d.backend)) : nullptr;
         }
-        if (!d.backend || !d.galloc) { // no backend to gather with: each piece on its own
+        // no backend to gather with, or a graph it cannot run: each piece on its own (a piece read already is read
+        // again, with the same bytes)
+        if (!d.backend || !d.galloc || !llama_kvp_gather_dev(d, ps)) {
             for (const auto * p : ps) {
                 llama_kvp_gather_plain(*p);
             }
-            continue;
         }
-        llama_kvp_gather_dev(d, ps);
     }
     pieces.clear();
 }
