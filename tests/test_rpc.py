@@ -62,13 +62,20 @@ here = Llama(model, n_ctx=512, verbose=False, kv_policy=policy, flash_attn=fa ==
 local = greedy(here)
 remote = Llama(model, n_ctx=512, verbose=False, kv_policy=policy, rpc_servers=server, n_gpu_layers=-1,
                flash_attn=fa == "1")
+def moves(llm):  # the host tier's moves between the device's caches and host memory
+    if "host" not in policy and "freeze" not in policy:
+        return None
+    h = llm.kv_host()
+    return [h.n_freeze, h.n_thaw, h.n_evict]
 print(json.dumps({"local": local, "remote": greedy(remote), "on_device": [s.on_device for s in remote.kv_stats().layers],
-                  "n_evicted": remote.kv_memory().n_evicted, "sum_local": summary(here), "sum_remote": summary(remote)}))
+                  "n_evicted": remote.kv_memory().n_evicted, "sum_local": summary(here), "sum_remote": summary(remote),
+                  "moves_local": moves(here), "moves_remote": moves(remote)}))
 """
 
 
 @pytest.mark.parametrize("policy, flash_attn", [(POLICY, "0"), (POLICY + "+summarise:bin=32,rank=4", "0"),
-                                                (POLICY + "+summarise:bin=32,rank=4", "1")])
+                                                (POLICY + "+summarise:bin=32,rank=4", "1"),
+                                                ("freeze", "0"), (POLICY + "+host+latent", "1")])
 def test_offloaded_layers_give_the_local_tokens(model_path, rpc_server, policy, flash_attn):
     # in a process of its own: ggml keeps a registered RPC device for the life of the process, and aborts on it
     # once the server is gone. Summarise reads its leavers out of the device and writes centroids into it (with
@@ -78,7 +85,10 @@ def test_offloaded_layers_give_the_local_tokens(model_path, rpc_server, policy, 
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(out["on_device"])  # every layer's KV cache lives on the RPC device
-    assert out["n_evicted"] > 0
+    if out["moves_local"] is not None:  # the host tier: tokens moved out of the device and back, as locally
+        assert out["moves_remote"] == out["moves_local"] and sum(out["moves_local"]) > 0
+    else:
+        assert out["n_evicted"] > 0
     if out["sum_local"] is None:
         assert out["remote"] == out["local"]
         return
