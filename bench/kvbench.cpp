@@ -26,13 +26,6 @@
 #include <thread>
 #include <vector>
 
-#ifndef _WIN32
-#include <netdb.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
-#endif
-
 struct kvbench_params {
     std::string              model;
     std::string              text_file;
@@ -229,70 +222,6 @@ static void kvbench_usage(const char * argv0) {
     std::vector<char> buf(n + 1);
     llama_kvp_policy_help(buf.data(), buf.size());
     printf("\npolicy specs, as in Python and the pykvcache CLI: %s", buf.data());
-}
-
-// whether a TCP connection to host:port opens (within 5 s)
-static bool kvbench_can_connect(const std::string & host, const std::string & port) {
-#ifdef _WIN32
-    (void) host; (void) port;
-    return true; // ggml-rpc's own connection says it there
-#else
-    addrinfo hints = {};
-    hints.ai_family   = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo * res = nullptr;
-    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
-        return false;
-    }
-    bool ok = false;
-    for (addrinfo * a = res; a && !ok; a = a->ai_next) {
-        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-        if (fd < 0) {
-            continue;
-        }
-        timeval tv = { 5, 0 };
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-        ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
-        close(fd);
-    }
-    freeaddrinfo(res);
-    return ok;
-#endif
-}
-
-// registers the RPC servers of --rpc ("host:port[,host:port..]") as devices for the model, as llama-bench does;
-// each is reached first, since ggml-rpc aborts the process on a server it cannot reach (throws with its name)
-static void kvbench_add_rpc_servers(const std::string & servers) {
-    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
-    auto add = reg ? (ggml_backend_reg_t (*)(const char *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server") : nullptr;
-    if (!add) {
-        throw std::invalid_argument("--rpc: this build has no RPC backend (rebuild with -DGGML_RPC=ON)");
-    }
-    std::stringstream ss(servers);
-    std::string ep;
-    int32_t n = 0;
-    while (std::getline(ss, ep, ',')) {
-        if (ep.empty()) {
-            continue;
-        }
-        const size_t colon = ep.rfind(':');
-        if (colon == std::string::npos || colon == 0 || colon + 1 == ep.size() ||
-            ep.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
-            throw std::invalid_argument("--rpc: '" + ep + "' is not host:port");
-        }
-        if (!kvbench_can_connect(ep.substr(0, colon), ep.substr(colon + 1))) {
-            throw std::invalid_argument("--rpc: RPC server " + ep + " cannot be reached; is `pykvcache rpc-server` running there?");
-        }
-        ggml_backend_reg_t r = add(ep.c_str());
-        if (!r) {
-            throw std::invalid_argument("--rpc: RPC server " + ep + " cannot be reached");
-        }
-        ggml_backend_register(r);
-        n++;
-    }
-    if (n == 0) {
-        throw std::invalid_argument("--rpc: no servers given (expected host:port[,host:port..])");
-    }
 }
 
 // returns 0 to run, 1 for --help, throws on bad input
@@ -1002,7 +931,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     if (!params.rpc.empty()) {
         try {
-            kvbench_add_rpc_servers(params.rpc);
+            kvp_tool_add_rpc_servers(params.rpc);
         } catch (const std::exception & e) {
             fprintf(stderr, "kvbench: %s\n", e.what());
             return 1;

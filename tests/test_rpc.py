@@ -177,3 +177,16 @@ def test_kvbench_names_a_bad_rpc_server(server, says):
     res = subprocess.run([sys.executable, "-m", "pykvcache.cli", "bench", "--rpc", server, "-ngl", "99"], cwd="/",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and says in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_backend_check_against_an_rpc_device(rpc_server):
+    # kvp-backend-check's other side on the server's device: the host-device moves of eviction, summarise and the
+    # host tier checked without a local GPU (same tokens, KL and positions held within the bars)
+    res = subprocess.run([sys.executable, "-m", "pykvcache.cli", "backend-check", "--rpc", rpc_server, "-p", "512", "-n",
+                          "8", "-t", "2", "--policy", "h2o:budget=0.25", "--policy",
+                          "snapkv:budget=0.1+summarise:bin=64,rank=4", "--policy", "freeze"], cwd="/",
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["gpu"] == rpc_server and out["pass"] and len(out["policies"]) == 3
+    assert all(r["pass"] and "error" not in r for r in out["policies"])

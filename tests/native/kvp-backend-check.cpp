@@ -37,6 +37,7 @@ struct check_params {
     int32_t                  n_batch     = 512;
     int32_t                  n_threads   = 0;
     int32_t                  n_gpu_layers = 999;
+    std::string              rpc;          // RPC servers: their device is the other side
     double                   max_kl      = 0.02;
     double                   min_jaccard = 0.9;
     bool                     perturb     = false;
@@ -66,6 +67,9 @@ static void check_usage(const char * argv0) {
     printf("  -t, --threads N       CPU threads (default: the hardware threads)\n");
     printf("  -ngl, --n-gpu-layers N  layers the other side offloads to the GPU (default: all; fewer: a cache split\n");
     printf("                        between the GPU and the host)\n");
+    printf("  -rpc, --rpc SERVERS   RPC servers (host:port[,..], `pykvcache rpc-server`): the other side runs on their\n");
+    printf("                        device (a GPU there, or that machine's CPU: the host-device moves of every policy\n");
+    printf("                        checked without a local GPU)\n");
     printf("  --max-kl X            largest mean KL(CPU || GPU) a policy may show (default 0.02)\n");
     printf("  --min-jaccard X       smallest mean Jaccard index of the layers' positions (default 0.9)\n");
     printf("  --perturb             the other side gets 20%% less budget: the bars must then fail (checks the checker)\n");
@@ -112,6 +116,8 @@ static int check_parse_args(int argc, char ** argv, check_params & params) {
             }
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
+        } else if (arg == "-rpc" || arg == "--rpc") {
+            params.rpc = value();
         } else if (arg == "--max-kl") {
             params.max_kl = check_parse_double(arg, value());
         } else if (arg == "--min-jaccard") {
@@ -310,7 +316,15 @@ int main(int argc, char ** argv) {
 
     llama_log_set(check_log_quiet, nullptr);
     llama_backend_init();
-    std::string gpu_name; // the first GPU device (an RPC backend alone does not count)
+    if (!params.rpc.empty()) {
+        try {
+            kvp_tool_add_rpc_servers(params.rpc);
+        } catch (const std::exception & e) {
+            fprintf(stderr, "kvp-backend-check: %s\n", e.what());
+            return 1;
+        }
+    }
+    std::string gpu_name; // the first GPU device (an RPC server's, with --rpc)
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
         if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU && gpu_name.empty()) {
