@@ -526,7 +526,7 @@ class Llama(llama_cpp.Llama):
         ctx = self._native_ctx()
         n = lib.llama_kvp_layer_cell_kv(ctx, layer, pos, ffi.NULL, ffi.NULL)
         if n < 0:
-            raise RuntimeError(last_error())
+            raise PolicyError(last_error())  # as kv_layer and kv_queries say a layer the context does not have
         if n == 0:
             return None
         k = ffi.new("uint8_t[]", int(n))

@@ -253,6 +253,13 @@ def test_exports_refuse_a_layer_or_a_context_they_do_not_have(model_path):
     assert full.kv_layer(0).held().sum() == len(full.tokenize(b"A short prompt."))
     with pytest.raises(PolicyError, match="no single-stream KV layer 30"):
         full.kv_layer(30)
+    # the same kind of error for every per-layer export (kv_cell_bytes raised RuntimeError)
+    with pytest.raises(PolicyError, match="no retention policy"):
+        full.kv_cell_bytes(0, 0)
+    kept = Llama(model_path, n_ctx=128, verbose=False, kv_policy="snapkv:budget=64")
+    kept.eval(kept.tokenize(b"A short prompt."))
+    with pytest.raises(PolicyError, match=r"KV layer -1 out of range \[0, 30\)"):
+        kept.kv_cell_bytes(-1, 0)
     with pytest.raises(PolicyError, match="no observing policy"):
         full.kv_queries(0)
     obs = Llama(model_path, n_ctx=128, verbose=False, kv_policy=Observe(window=4))
