@@ -269,6 +269,7 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-rpc" || arg == "--rpc") {
             params.rpc = value();
+            kvp_tool_add_rpc_servers(params.rpc); // as llama.cpp's own --rpc: the devices exist before the model loads
         } else if (arg == "-c" || arg == "--ctx-size") {
             params.n_ctx = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-ctk" || arg == "--cache-type-k") {
@@ -929,14 +930,6 @@ int main(int argc, char ** argv) {
         llama_log_set(kvbench_log_quiet, nullptr);
     }
     llama_backend_init();
-    if (!params.rpc.empty()) {
-        try {
-            kvp_tool_add_rpc_servers(params.rpc);
-        } catch (const std::exception & e) {
-            fprintf(stderr, "kvbench: %s\n", e.what());
-            return 1;
-        }
-    }
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = params.n_gpu_layers;

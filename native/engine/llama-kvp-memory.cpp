@@ -421,31 +421,33 @@ void llama_kvp_memory::prepare_ubatch(uint32_t n_tokens) {
 void llama_kvp_memory::evict_layers(uint32_t n_tokens, bool evict_all) {
     const int32_t n = (int32_t) layers.size();
     std::vector<uint32_t> n_keep(n);
+    std::vector<uint32_t> cap(n);
     std::vector<int32_t>  evicting;
     for (int32_t i = 0; i < n; ++i) {
         const auto & L = layers[i];
         const uint32_t n_used = llama_kvp_kv_access::n_used(*L.kv);
-        const uint32_t cap    = capacity_for(L.budget);
-        n_keep[i] = std::min<uint32_t>(L.budget, (cap > n_tokens ? cap - n_tokens : 0));
-        if (n_used > n_keep[i] && (evict_all || n_used + n_tokens > cap)) {
+        cap[i]    = capacity_for(L.budget);
+        n_keep[i] = std::min<uint32_t>(L.budget, (cap[i] > n_tokens ? cap[i] - n_tokens : 0));
+        if (n_used > n_keep[i] && (evict_all || n_used + n_tokens > cap[i])) {
             evicting.push_back(i);
         }
     }
-    // what the evictions read of the observations, for every layer at once (one transfer from device memory)
-    if (st && !evicting.empty() && stage_score->observes()) {
+    // what the evictions read of the observations, for every layer at once (one transfer from device memory); the
+    // copies live for this pass
+    const bool prefetch = st && !evicting.empty() && stage_score->observes();
+    if (prefetch) {
         const int32_t n_rows = stage_score->uses_values(policy) ? 3 : stage_score->uses_last(policy) ? 2 : 1;
         llama_kvp_obs_prefetch(st, evicting, n_rows, stage_fate->uses_query_entropy(policy));
     }
     for (int32_t i : evicting) {
         evict(i, n_keep[i]);
     }
-    if (st) {
+    if (prefetch) {
         llama_kvp_obs_prefetch_clear(st);
     }
     for (int32_t i = 0; i < n; ++i) {
-        const uint32_t cap = capacity_for(layers[i].budget);
-        if (cap != layers[i].capacity) {
-            resize(i, cap);
+        if (cap[i] != layers[i].capacity) {
+            resize(i, cap[i]);
         }
     }
     stage_fate->after_evictions(*this);

@@ -118,6 +118,7 @@ static int check_parse_args(int argc, char ** argv, check_params & params) {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-rpc" || arg == "--rpc") {
             params.rpc = value();
+            kvp_tool_add_rpc_servers(params.rpc); // as llama.cpp's own --rpc: the devices exist before the model loads
         } else if (arg == "--max-kl") {
             params.max_kl = check_parse_double(arg, value());
         } else if (arg == "--min-jaccard") {
@@ -316,14 +317,6 @@ int main(int argc, char ** argv) {
 
     llama_log_set(check_log_quiet, nullptr);
     llama_backend_init();
-    if (!params.rpc.empty()) {
-        try {
-            kvp_tool_add_rpc_servers(params.rpc);
-        } catch (const std::exception & e) {
-            fprintf(stderr, "kvp-backend-check: %s\n", e.what());
-            return 1;
-        }
-    }
     std::string gpu_name; // the first GPU device (an RPC server's, with --rpc)
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
