@@ -96,6 +96,12 @@ struct kvbench_result {
     double  sum_ms_pp = 0.0;
     double  sum_ms_tg = 0.0;
 
+    // the policy's host time around the graphs (llama_kvp_perf), per repetition (ms): the prompt's all together, the
+    // decode steps' by part (prepare, slot, input, settle)
+    int32_t perf       = 0; // 1: the context has a policy
+    double  perf_ms_pp = 0.0;
+    double  perf_tg[4] = { 0.0, 0.0, 0.0, 0.0 };
+
     // ratios to `full` at the same configuration (has_ref: there is one)
     bool   has_ref  = false;
     double pp_ratio = 0.0;
@@ -217,6 +223,10 @@ static void kvbench_usage(const char * argv0) {
     printf("host memory of the fate stage (not in KV MiB; md: a second table): its peak bytes, for the host tier (a policy with\n");
     printf("+host) with its token moves per repetition, all layers: frozen, evicted to host, thawed, dropped for good, latent\n");
     printf("re-ranks, promoted, recovery ladder events; for summarise, the pending bins (as allocated).\n");
+    printf("policy host time (md: a table of its own; host_ms_* in json, per repetition): the time the policy's own code took\n");
+    printf("on the host around llama.cpp's graphs (llama_kvp_perf), for the prompt and per decoded token, by part: prepare\n");
+    printf("(budgets, scores, evictions, the fate stage's work), slots (each layer's cells for the ubatch), inputs (per-layer\n");
+    printf("masks and cell indices, the observation's inputs); `x step` is its share of the mean decode step.\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);
@@ -453,6 +463,21 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         }
     };
     double sum_ms0 = 0.0, sum_bins0 = 0.0;
+    // the policy's host time so far, all parts or by part
+    struct llama_kvp_perf_data pf = {};
+    r.perf = llama_kvp_perf(ctx, &pf) == 0;
+    llama_kvp_clear_error();
+    auto perf_now = [&](double * parts) {
+        struct llama_kvp_perf_data x = {};
+        if (r.perf && llama_kvp_perf(ctx, &x) == 0) {
+            parts[0] = x.t_prepare_ms;
+            parts[1] = x.t_slot_ms;
+            parts[2] = x.t_input_ms;
+            parts[3] = x.t_settle_ms;
+        }
+    };
+    double perf0[4] = { 0.0, 0.0, 0.0, 0.0 };
+    double perf1[4] = { 0.0, 0.0, 0.0, 0.0 };
 
     std::vector<double> step_t;   // all decode steps of all repetitions
     std::vector<bool>   step_obs; // whether that step observed
@@ -469,6 +494,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             kvp_tool_prefill(ctx, tokens.data(), r.n_depth, 0, params.n_batch, guided);
         }
         sum_now(sum_ms0, sum_bins0);
+        perf_now(perf0);
         if (r.n_prompt > 0) {
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
@@ -482,6 +508,10 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         double sum_ms1 = sum_ms0, sum_bins1 = sum_bins0;
         sum_now(sum_ms1, sum_bins1);
         r.sum_ms_pp += (sum_ms1 - sum_ms0)/params.reps;
+        perf_now(perf1);
+        for (int32_t k = 0; k < 4; ++k) {
+            r.perf_ms_pp += (perf1[k] - perf0[k])/params.reps;
+        }
         if (r.n_gen > 0) {
             llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
             // the physical limit: the full cache prefilled (untimed) with as many tokens as the mean layer budget
@@ -562,6 +592,11 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         double sum_ms2 = sum_ms1, sum_bins2 = sum_bins1;
         sum_now(sum_ms2, sum_bins2);
         r.sum_ms_tg += (sum_ms2 - sum_ms1)/params.reps;
+        double perf2[4] = { perf1[0], perf1[1], perf1[2], perf1[3] };
+        perf_now(perf2);
+        for (int32_t k = 0; k < 4; ++k) {
+            r.perf_tg[k] += (perf2[k] - perf1[k])/params.reps;
+        }
         r.sum_bins  += (sum_bins2 - sum_bins0)/params.reps;
     }
 
@@ -698,6 +733,11 @@ static std::string kvbench_fig(const std::vector<double> & samples, double v, co
     return kvbench_opt(!samples.empty(), v, fmt, none);
 }
 
+// the policy's host time over a repetition's decode steps (ms)
+static double kvbench_perf_tg(const kvbench_result & r) {
+    return r.perf_tg[0] + r.perf_tg[1] + r.perf_tg[2] + r.perf_tg[3];
+}
+
 // one row as a JSON object: indented over lines (json), or on one line after `head` (jsonl, as llama-bench's);
 // null where a figure was not measured (a limit row has no KV bytes, a row without a limit no limit figures)
 static void kvbench_print_json_row(const kvbench_result & r, const std::string & head, const char * sep, const char * end) {
@@ -732,6 +772,9 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     printf("\"sum_bins\": %s, \"sum_ms_pp\": %s, \"sum_ms_tg\": %s,%s",
             kvbench_opt(r.summarise, r.sum_bins, "%.1f", "null").c_str(), kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "null").c_str(),
             kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "null").c_str(), sep);
+    printf("\"host_ms_pp\": %s, \"host_ms_tg\": %s, \"host_ms_tg_parts\": %s,%s",
+            kvbench_opt(r.perf, r.perf_ms_pp, "%.3f", "null").c_str(), kvbench_opt(r.perf, kvbench_perf_tg(r), "%.3f", "null").c_str(),
+            r.perf ? kvbench_json_list(std::vector<double>(r.perf_tg, r.perf_tg + 4)).c_str() : "null", sep);
     printf("\"limit_depth\": %s, \"limit_tg_ts\": %s, \"limit_tg_ts_sd\": %s, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %s,"
            " \"density\": %.4f}%s\n",
             kvbench_opt(lim, r.limit_depth, "%.0f", "null").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "null").c_str(),
@@ -775,14 +818,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -794,7 +837,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     kvbench_opt(lim, r.tg_limit_ratio, "%.4f", "").c_str(), r.density,
                     r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx,
                     ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
-                    kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str());
+                    kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
+                    kvbench_opt(r.perf, r.perf_ms_pp, "%.3f", "").c_str(), kvbench_opt(r.perf, kvbench_perf_tg(r), "%.3f", "").c_str());
         }
         return;
     }
@@ -847,6 +891,29 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
             printf("| %s | %d | %d | %d | %.2f | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %" PRId64 " | %d/%d/%d/%d |\n",
                     label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.host_bytes_peak/1048576.0, r.n_freeze, r.n_host_evict,
                     r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_recover[0], r.n_recover[1], r.n_recover[2], r.n_recover[3]);
+        }
+    }
+    // the policy's own host time around the graphs, beside the decode step it is part of
+    bool any_perf = false;
+    for (const auto & r : results) {
+        any_perf = any_perf || r.perf;
+    }
+    if (any_perf) {
+        printf("\n| policy | p | n | d | policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |\n");
+        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        for (const auto & r : results) {
+            if (!r.perf) {
+                continue;
+            }
+            double tg, tg_sd;
+            kvbench_mean_sd(r.tg_ts, tg, tg_sd);
+            const double n = r.n_gen > 0 ? (double) r.n_gen : 1.0;
+            const double per_tok = kvbench_perf_tg(r)/n;
+            printf("| %s | %d | %d | %d | %s | %s | %s | %s | %s | %s |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth,
+                    kvbench_fig(r.pp_ts, r.perf_ms_pp, "%.1f", "-").c_str(), kvbench_fig(r.tg_ts, per_tok, "%.3f", "-").c_str(),
+                    kvbench_fig(r.tg_ts, r.perf_tg[0]/n, "%.3f", "-").c_str(), kvbench_fig(r.tg_ts, r.perf_tg[1]/n, "%.3f", "-").c_str(),
+                    kvbench_fig(r.tg_ts, r.perf_tg[2]/n, "%.3f", "-").c_str(),
+                    kvbench_opt(!r.tg_ts.empty() && tg > 0.0, per_tok*tg/1000.0, "%.3f", "-").c_str());
         }
     }
     // summarise's own time on the host: reading leavers, fitting and writing centroids

@@ -24,7 +24,7 @@ from .stages import (
     UniformBudget,
     WindowScore,
 )
-from .telemetry import HostTelemetry, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
+from .telemetry import HostTelemetry, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
 
 __version__ = "0.1.0"
 
@@ -70,5 +70,6 @@ __all__ = [
     "SparseTelemetry",
     "LayerStats",
     "KVMemory",
+    "KVPerf",
     "LayerBudget",
 ]

@@ -16,7 +16,7 @@ from .cache_types import cache_type_name, is_quantized
 from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
-from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVStats, KVTelemetry, LayerBudget, LayerStats,
+from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
 
 llama_cpp = import_llama_cpp()
@@ -392,6 +392,21 @@ class Llama(llama_cpp.Llama):
                         n_evicted=int(info.n_evicted), n_resize=int(info.n_resize), n_budget=int(info.n_budget),
                         layers=budgets, host_bytes=int(info.host_bytes), host_bytes_peak=int(info.host_bytes_peak),
                         n_active=int(info.n_active), seq=int(info.seq))
+
+    def kv_perf(self) -> KVPerf:
+        """Host time the policy spent around llama.cpp's graphs since the context was created or kv_perf_reset()."""
+        ffi, lib = native()
+        out = ffi.new("struct llama_kvp_perf_data *")
+        if lib.llama_kvp_perf(self._native_ctx(), out) != 0:
+            raise PolicyError(last_error())
+        return KVPerf(t_prepare_ms=float(out.t_prepare_ms), t_slot_ms=float(out.t_slot_ms),
+                      t_input_ms=float(out.t_input_ms), t_settle_ms=float(out.t_settle_ms), n_ubatch=int(out.n_ubatch))
+
+    def kv_perf_reset(self) -> None:
+        """Starts kv_perf()'s totals again from zero."""
+        _, lib = native()
+        if lib.llama_kvp_perf_reset(self._native_ctx()) != 0:
+            raise PolicyError(last_error())
 
     def kv_retained(self) -> np.ndarray:
         """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted); after

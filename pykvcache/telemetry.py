@@ -193,6 +193,29 @@ def _plot_title(policy: str) -> str:
 
 
 @dataclass(frozen=True)
+class KVPerf:
+    """Host time the policy spent around llama.cpp's graphs (ms), summed since the context was created or
+    kv_perf_reset(): before each ubatch deciding and evicting (`t_prepare_ms`, the fate stage's work included) and
+    placing its cells (`t_slot_ms`), setting the graph inputs it adds (`t_input_ms`), and settling a prompt's end
+    (`t_settle_ms`)."""
+
+    t_prepare_ms: float
+    t_slot_ms: float
+    t_input_ms: float
+    t_settle_ms: float
+    n_ubatch: int
+
+    @property
+    def t_ms(self) -> float:
+        """All of it."""
+        return self.t_prepare_ms + self.t_slot_ms + self.t_input_ms + self.t_settle_ms
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for JSON)."""
+        return dict(self.__dict__, t_ms=self.t_ms)
+
+
+@dataclass(frozen=True)
 class SummaryTelemetry:
     """The summarise fate (fate stage `summarise`): bins of leaving tokens replaced by fitted centroid cells.
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from pykvcache import Llama, Observe
+from pykvcache import Llama, Observe, PolicyError
 
 # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims
 N_LAYER = 30
@@ -53,3 +55,38 @@ def test_stats_of_a_sliding_window_model(tiny_gemma3):
     st = llm.kv_stats()
     assert len(st.layers) == 2
     assert all(s.k_bytes == 256 * 32 * 2 for s in st.layers)
+
+
+def test_the_policys_host_time_by_part(model_path):
+    text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    times = {}
+    for spec in ["h2o:budget=64,chunk=64", "h2o:budget=64,chunk=64+summarise:bin=32,rank=4"]:
+        llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=spec)
+        toks = llm.tokenize(text.encode())[:300]
+        assert len(toks) == 300
+        t0 = time.perf_counter()
+        llm.eval(toks)
+        wall = (time.perf_counter() - t0) * 1e3
+        p = llm.kv_perf()
+        assert p.n_ubatch == 5  # 300 tokens in chunks of 64
+        assert p.t_prepare_ms > 0 and p.t_slot_ms > 0 and p.t_input_ms > 0
+        assert p.t_ms == pytest.approx(p.t_prepare_ms + p.t_slot_ms + p.t_input_ms + p.t_settle_ms)
+        assert p.t_ms < wall
+        times[spec] = p
+        llm.eval([1, 2, 3])
+        llm.eval([4])
+        assert llm.kv_perf().n_ubatch == 7 and llm.kv_perf().t_ms > p.t_ms
+        llm.kv_perf_reset()
+        assert llm.kv_perf().t_ms == 0 and llm.kv_perf().n_ubatch == 0
+        assert llm.kv_perf().to_dict()["t_ms"] == 0
+    # only a fate stage that settles a prompt's end (summarise) works after the prompt's last ubatch
+    assert times["h2o:budget=64,chunk=64"].t_settle_ms == 0
+    assert times["h2o:budget=64,chunk=64+summarise:bin=32,rank=4"].t_settle_ms > 0
+
+
+def test_host_time_needs_a_policy(model_path):
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    with pytest.raises(PolicyError, match="no KV policy"):
+        llm.kv_perf()
+    with pytest.raises(PolicyError, match="no KV policy"):
+        llm.kv_perf_reset()

@@ -165,6 +165,19 @@ struct llama_kvp_gather_state_deleter {
     void operator()(llama_kvp_gather_state * s) const;
 };
 
+// adds the wall time of its scope to one of llama_kvp_perf_data's totals (none: nullptr)
+struct llama_kvp_perf_scope {
+    explicit llama_kvp_perf_scope(double * t_ms) : t_ms(t_ms), t0(t_ms ? ggml_time_us() : 0) {}
+    ~llama_kvp_perf_scope() {
+        if (t_ms) {
+            *t_ms += 1e-3*(double) (ggml_time_us() - t0);
+        }
+    }
+
+    double * const t_ms;
+    const int64_t  t0;
+};
+
 struct llama_kvp_context {
     llama_kvp_policy policy;
 
@@ -205,6 +218,8 @@ struct llama_kvp_context {
     std::vector<llama_kvp_obs_seq> seqs; // by sequence id: the parked state of every sequence but the memory's current one
 
     std::unique_ptr<llama_kvp_gather_state, llama_kvp_gather_state_deleter> gather; // made by the first gather off the host
+
+    llama_kvp_perf_data perf = {}; // the policy's host time (llama_kvp_perf)
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 

@@ -460,6 +460,7 @@ void llama_kvp_memory::ubatch_done(const llama_ubatch & ubatch) {
     }
     // what the next step's preparation would do first, with the same budgets and observations (a decode step or a
     // chunk then finds nothing to evict)
+    llama_kvp_perf_scope t(st ? &st->perf.t_settle_ms : nullptr);
     decide_budgets();
     ubatch_ends = true;
     evict_layers(1, true);
@@ -1377,8 +1378,15 @@ bool llama_kvp_memory_context::apply() {
     const llama_ubatch & ubatch = ubatches[i_cur];
 
     mem->seq_use(mem->n_seq() > 1 && ubatch.n_tokens > 0 ? ubatch.seq_id[0][0] : 0);
-    mem->prepare_ubatch(ubatch.n_tokens);
-
+    llama_kvp_perf_data * perf = mem->st ? &mem->st->perf : nullptr;
+    {
+        llama_kvp_perf_scope t(perf ? &perf->t_prepare_ms : nullptr);
+        mem->prepare_ubatch(ubatch.n_tokens);
+    }
+    llama_kvp_perf_scope t(perf ? &perf->t_slot_ms : nullptr);
+    if (perf) {
+        perf->n_ubatch++;
+    }
     ctxs.clear();
     for (auto & L : mem->layers) {
         auto sinfo = L.kv->find_slot(ubatch, false);

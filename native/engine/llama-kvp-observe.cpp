@@ -626,6 +626,7 @@ static bool llama_kvp_slot_valid(llama_pos p, llama_pos p_max, int32_t W) {
 }
 
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
+    llama_kvp_perf_scope t(&st->perf.t_input_ms);
     const int32_t W = st->policy.window;
 
     // ring slots of the last n_write tokens

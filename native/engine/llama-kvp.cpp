@@ -357,6 +357,32 @@ int32_t llama_kvp_reset_peak(struct llama_context * ctx) {
     return 0;
 }
 
+int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out) {
+    if (!llama_kvp_check_ctx(ctx) || !out) {
+        return -1;
+    }
+    const llama_kvp_context * st = ctx->get_kvp();
+    if (!st) {
+        llama_kvp_set_error("perf: the context has no KV policy");
+        return -1;
+    }
+    *out = st->perf;
+    return 0;
+}
+
+int32_t llama_kvp_perf_reset(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    if (!st) {
+        llama_kvp_set_error("perf_reset: the context has no KV policy");
+        return -1;
+    }
+    st->perf = {};
+    return 0;
+}
+
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out) {
     if (!llama_kvp_check_ctx(ctx) || !out) {
         return -1;

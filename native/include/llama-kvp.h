@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 18
+#define LLAMA_KVP_API_VERSION 19
 
 #ifdef __cplusplus
 extern "C" {
@@ -302,6 +302,19 @@ int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memor
 
 // starts a new peak: bytes_peak = bytes now (e.g. after llama_kvp_set_prompt_len, to measure one prompt)
 int32_t llama_kvp_reset_peak(struct llama_context * ctx);
+
+// host time of the policy: the memory's and the observation's own work around llama.cpp's graphs (as
+// llama_perf_context_data times llama.cpp's), summed since the context was created or llama_kvp_perf_reset
+struct llama_kvp_perf_data {
+    double  t_prepare_ms; // before each ubatch: budgets, the schedule, evictions and the fate stage's work (reads, fits, moves)
+    double  t_slot_ms;    // before each ubatch: its cells found in every layer's cache
+    double  t_input_ms;   // graph inputs the policy sets: per-layer cell indices and masks, the observation's inputs
+    double  t_settle_ms;  // after a prompt's last ubatch: its end evicted there (a fate stage that settles it)
+    int32_t n_ubatch;     // ubatches a retention policy's memory prepared (0 without one)
+};
+
+int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out);
+int32_t llama_kvp_perf_reset(struct llama_context * ctx);
 
 // question-guided prefill (policy with guide = 1): decodes tokens[0..k) at positions pos0.. in chunks, running the
 // prompt's last `window` tokens behind each chunk (at the positions that follow it, then removed) so that every chunk
