@@ -928,10 +928,36 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     printf("|---|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
         if (r.summarise) {
-            printf("| %s | %d | %d | %d | %.1f | %.1f | %.3f |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.sum_bins,
+            printf("| %s | %d | %d | %d | %.0f | %.1f | %.3f |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth, r.sum_bins,
                     r.sum_ms_pp, r.n_gen > 0 ? r.sum_ms_tg/r.n_gen : 0.0);
         }
     }
+}
+
+static void kvbench_log_none(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) level;
+    (void) text;
+    (void) user_data;
+}
+
+// the context of test t under policy pol (full: llama.cpp's own cache); nullptr if it cannot be made
+static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_params & params, const llama_kvp_policy & pol,
+                                        const kvbench_test & t, llama_context_params & cparams) {
+    cparams = llama_context_default_params();
+    cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
+    cparams.n_batch  = params.n_batch;
+    cparams.n_ubatch = params.n_batch;
+    cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.n_threads       = params.n_threads;
+    cparams.n_threads_batch = params.n_threads;
+    cparams.type_k          = t.type_k;
+    cparams.type_v          = t.type_v;
+    if (!kvbench_is_full(pol) && llama_kvp_set_pending(&pol) != 0) {
+        return nullptr;
+    }
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    llama_kvp_clear_pending();
+    return ctx;
 }
 
 static void kvbench_log_quiet(enum ggml_log_level level, const char * text, void * user_data) {
@@ -1058,6 +1084,31 @@ int main(int argc, char ** argv) {
         return 1;
     }
 
+    // every policy's context of every test made once first, so that what the model or the context refuses (a rank
+    // above the head size, a bin that never fills) is one line before any test runs, not after the full cache's
+    for (const auto & kp : pols) {
+        for (const auto & t : tests) {
+            if (kvbench_is_full(kp.pol)) {
+                continue;
+            }
+            llama_context_params cparams;
+            if (!params.verbose) {
+                llama_log_set(kvbench_log_none, nullptr);
+            }
+            llama_context * ctx = kvbench_init_ctx(model, params, kp.pol, t, cparams);
+            if (!params.verbose) {
+                llama_log_set(kvbench_log_quiet, nullptr);
+            }
+            if (!ctx) {
+                fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", kp.label.c_str(), cparams.n_ctx,
+                        llama_kvp_last_error());
+                llama_model_free(model);
+                return 1;
+            }
+            llama_free(ctx);
+        }
+    }
+
     std::vector<kvbench_result> results;
     std::vector<llama_context *> ctx_lims(tests.size(), nullptr); // the full cache's context of each test, kept for the limits
     int rc = 0;
@@ -1067,22 +1118,8 @@ int main(int argc, char ** argv) {
         const bool full = kvbench_is_full(pol);
         for (size_t it = 0; it < tests.size() && rc == 0; ++it) {
             const kvbench_test & t = tests[it];
-            llama_context_params cparams = llama_context_default_params();
-            cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
-            cparams.n_batch  = params.n_batch;
-            cparams.n_ubatch = params.n_batch;
-            cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-            cparams.n_threads       = params.n_threads;
-            cparams.n_threads_batch = params.n_threads;
-            cparams.type_k          = t.type_k;
-            cparams.type_v          = t.type_v;
-            if (!full && llama_kvp_set_pending(&pol) != 0) {
-                fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), llama_kvp_last_error());
-                rc = 1;
-                break;
-            }
-            llama_context * ctx = llama_init_from_model(model, cparams);
-            llama_kvp_clear_pending();
+            llama_context_params cparams;
+            llama_context * ctx = kvbench_init_ctx(model, params, pol, t, cparams);
             if (!ctx) {
                 fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", name.c_str(), cparams.n_ctx,
                         llama_kvp_last_error());

@@ -241,6 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if mem.host_bytes_peak > 0:  # the host tier's tokens or summarise's pending bins, not in the cache
             host = f" | host memory {mem.host_bytes / 2**20:.2f} MiB (peak {mem.host_bytes_peak / 2**20:.2f} MiB)"
     print(f"{stats.summary()}{host} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
+    if llm.kv_policy is not None and llm.kv_policy.summarises:
+        print(llm.kv_summary().line(), file=sys.stderr)
     _write_telemetry(llm, args)
     return 0
 
@@ -277,6 +279,8 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         pieces.append(f"{pos}:{piece!r}={total[i]:.3f}")
     print("most attended positions (layer-mean mass): " + ", ".join(pieces))
     print(llm.kv_stats().summary())
+    if tel.summary is not None:
+        print(tel.summary.line())
     _write_telemetry(llm, args)
     return 0
 

@@ -461,26 +461,37 @@ class Llama(llama_cpp.Llama):
         if lib.llama_kvp_summary(ctx, out) != 0:
             raise PolicyError(last_error())
         layers = self.kv_stats().layers
-        n_pos = max(int(self.n_tokens), 1)
-        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+
+        def positions(fn: Any, s: int) -> np.ndarray:
+            n = fn(ctx, s, ffi.NULL, 0)
+            buf = np.zeros(max(n, 1), dtype=np.int32)
+            if n < 0 or fn(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(buf)), n) < 0:
+                raise RuntimeError(last_error())
+            return buf[:n]
+
+        per_layer = []
         for s, layer in enumerate(layers):
-            n = lib.llama_kvp_layer_summarised(ctx, s, ffi.NULL, 0)
-            done = np.zeros(max(n, 1), dtype=np.int32)
             pos = np.zeros(layer.n_cells, dtype=np.int32)
             bias = np.zeros(layer.n_cells, dtype=np.float32)
-            if (n < 0 or lib.llama_kvp_layer_summarised(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(done)), n) < 0
-                    or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0
+            if (lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0
                     or lib.llama_kvp_layer_cell_bias(ctx, s, ffi.cast("float *", ffi.from_buffer(bias)), bias.size) < 0):
                 raise RuntimeError(last_error())
-            done = done[:n]
-            state[s, done[(done >= 0) & (done < n_pos)]] = SummaryTelemetry.SUMMARISED
-            held = (pos >= 0) & (pos < n_pos)
+            per_layer.append((positions(lib.llama_kvp_layer_summarised, s), positions(lib.llama_kvp_layer_pending, s),
+                              pos, bias))
+        # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
+        n_pos = max([int(self.n_tokens), 1] + [int(a.max()) + 1 for layer in per_layer for a in layer[:3] if a.size])
+        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+        for s, (done, pending, pos, bias) in enumerate(per_layer):
+            state[s, done[done >= 0]] = SummaryTelemetry.SUMMARISED
+            state[s, pending[pending >= 0]] = SummaryTelemetry.PENDING
+            held = pos >= 0
             state[s, pos[held & (bias == 0)]] = SummaryTelemetry.KEPT
             state[s, pos[held & (bias != 0)]] = SummaryTelemetry.CENTROID
         return SummaryTelemetry(
             state=state, n_bins=int(out.n_bins), n_fallback=int(out.n_fallback), n_tokens=int(out.n_tokens),
             n_pending=int(out.n_pending), n_centroids=int(out.n_centroids), pending_bytes=int(out.pending_bytes),
-            fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms))
+            fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms),
+            n_dropped=int(out.n_dropped))
 
     def kv_host(self) -> HostTelemetry:
         """Host tier telemetry: active, frozen and host tokens and bytes, freeze/thaw counts, and per layer x position
@@ -491,8 +502,7 @@ class Llama(llama_cpp.Llama):
         if lib.llama_kvp_host(ctx, out) != 0:
             raise PolicyError(last_error())
         layers = self.kv_stats().layers
-        n_pos = max(int(self.n_tokens), 1)
-        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+        per_layer = []
         for s, layer in enumerate(layers):
             n = lib.llama_kvp_layer_host(ctx, s, ffi.NULL, ffi.NULL, 0)
             hpos = np.zeros(max(n, 1), dtype=np.int32)
@@ -502,11 +512,15 @@ class Llama(llama_cpp.Llama):
                                                   ffi.cast("int32_t *", ffi.from_buffer(timer)), n) < 0
                     or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0):
                 raise RuntimeError(last_error())
-            hpos, timer = hpos[:n], timer[:n]
-            ok = (hpos >= 0) & (hpos < n_pos)
+            per_layer.append((hpos[:n], timer[:n], pos))
+        # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
+        n_pos = max([int(self.n_tokens), 1] + [int(a.max()) + 1 for h, _, p in per_layer for a in (h, p) if a.size])
+        state = np.zeros((len(layers), n_pos), dtype=np.int8)
+        for s, (hpos, timer, pos) in enumerate(per_layer):
+            ok = hpos >= 0
             state[s, hpos[ok & (timer > 0)]] = HostTelemetry.FROZEN
             state[s, hpos[ok & (timer == 0)]] = HostTelemetry.COLD
-            state[s, pos[(pos >= 0) & (pos < n_pos)]] = HostTelemetry.ACTIVE
+            state[s, pos[pos >= 0]] = HostTelemetry.ACTIVE
         return HostTelemetry(
             state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
             host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, ClassVar, Dict, Tuple, Type
@@ -47,7 +48,7 @@ def _format_value(value: Any) -> str:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     if isinstance(value, numbers.Real):  # numpy's too
-        return repr(float(value)) if math.isfinite(value) else str(float(value))
+        return repr(float(value) + 0.0) if math.isfinite(value) else str(float(value))  # -0.0 prints as 0.0
     return str(value)
 
 
@@ -137,8 +138,9 @@ class Policy:
         try:
             composed = Composed(self._base(), self._stages() + added)
         except PolicyError as e:
-            if isinstance(stage, Stage) and " needs " in str(e):
-                # stages that need each other validate together: `a + b + c` adds b alone first
+            if isinstance(stage, Stage) and re.search(r" needs (a|the) [a-z ]*(stage|fate|schedule|policy)", str(e)):
+                # stages that need each other validate together: `a + b + c` adds b alone first (not for a key's
+                # own condition, e.g. lam's window)
                 raise PolicyError(f"{e}; to add stages that need each other, add them together: "
                                   f"policy + ({type(stage).__name__}(...) + ...)") from None
             raise

@@ -192,6 +192,20 @@ def _plot_title(policy: str) -> str:
     return "\n".join(textwrap.wrap(f"pykvcache telemetry  [{policy}]", 150))
 
 
+def _plot_state_map(ax: Any, fig: Any, state: np.ndarray, colors: List[str], labels: List[str], title: str) -> None:
+    """Draw a layer x position map of small integer states (0..len(colors)-1) with a labelled colour bar."""
+    from matplotlib.colors import ListedColormap
+
+    n = len(colors)
+    im = ax.imshow(state, aspect="auto", cmap=ListedColormap(colors), vmin=-0.5, vmax=n - 0.5, origin="lower",
+                   interpolation="nearest")
+    ax.set_title(title)
+    ax.set_xlabel("position")
+    ax.set_ylabel("layer")
+    bar = fig.colorbar(im, ax=ax, ticks=list(range(n)))
+    bar.ax.set_yticklabels(labels)
+
+
 @dataclass(frozen=True)
 class KVPerf:
     """Host time the policy spent around llama.cpp's graphs (ms), summed since the context was created or
@@ -219,8 +233,11 @@ class KVPerf:
 class SummaryTelemetry:
     """The summarise fate (fate stage `summarise`): bins of leaving tokens replaced by fitted centroid cells.
 
-    state[n_layer, n_pos]  per layer and position: 0 dropped, 1 kept, 2 summarised (its bin became centroids),
-                           3 a centroid cell sits there (at the last position of the run it stands for)
+    state[n_layer, n_pos]  per layer and position: 0 dropped (its bin's centroids all left, or its fit failed),
+                           1 kept, 2 summarised (its bin became centroids and one of them is held), 3 a centroid cell
+                           sits there (at one of its bin's last `rank` positions), 4 pending (waiting in the bin, in
+                           host memory)
+    `n_dropped`: centroid cells dropped (evicted in turn, or no cell left for them when their bin was fitted).
     """
 
     state: np.ndarray
@@ -233,17 +250,32 @@ class SummaryTelemetry:
     fit_err: float
     fit_lse_err: float
     t_ms: float
+    n_dropped: int = 0
 
     DROPPED: ClassVar[int] = 0
     KEPT: ClassVar[int] = 1
     SUMMARISED: ClassVar[int] = 2
     CENTROID: ClassVar[int] = 3
+    PENDING: ClassVar[int] = 4
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data form (for JSON)."""
         d = {k: v for k, v in self.__dict__.items() if k != "state"}
         d["state"] = self.state.astype(int).tolist()
         return d
+
+    def line(self) -> str:
+        """One line of the counters."""
+        return (f"summarise: {self.n_bins} bins fitted ({self.n_tokens} tokens, {self.n_fallback} dropped for a failed "
+                f"fit), {self.n_centroids} centroids held, {self.n_dropped} centroids dropped, {self.n_pending} tokens "
+                f"pending; fit error {self.fit_err:.3f} (log mass {self.fit_lse_err:.3f} nats), {self.t_ms:.1f} ms")
+
+    def plot_axes(self, ax: Any, fig: Any) -> None:
+        """Draw the layer x position map of dropped, kept, summarised, centroid and pending tokens on one axis."""
+        _plot_state_map(ax, fig, self.state, ["#d9d9d9", "#1f77b4", "#a1d99b", "#d62728", "#fdae6b"],
+                        ["dropped", "kept", "summarised", "centroid", "pending"],
+                        f"summarise: {self.n_bins} bins, {self.n_centroids} centroids held, {self.n_dropped} dropped, "
+                        f"fit error {self.fit_err:.2f}")
 
 
 @dataclass(frozen=True)
@@ -320,17 +352,10 @@ class HostTelemetry:
 
     def plot_axes(self, ax: Any, fig: Any) -> None:
         """Draw the layer x position map of active, frozen, cold and dropped tokens on one axis."""
-        from matplotlib.colors import ListedColormap
-
-        cmap = ListedColormap(["#d9d9d9", "#1f77b4", "#9ecae1", "#fdae6b"])
-        im = ax.imshow(self.state, aspect="auto", cmap=cmap, vmin=-0.5, vmax=3.5, origin="lower",
-                       interpolation="nearest")
-        ax.set_title(f"host tier: {self.n_active} active, {self.n_frozen} frozen, "
-                     f"{self.n_host - self.n_frozen} cold tokens")
-        ax.set_xlabel("position")
-        ax.set_ylabel("layer")
-        bar = fig.colorbar(im, ax=ax, ticks=[0, 1, 2, 3])
-        bar.ax.set_yticklabels(["dropped", "active", "frozen", "cold"])
+        _plot_state_map(ax, fig, self.state, ["#d9d9d9", "#1f77b4", "#9ecae1", "#fdae6b"],
+                        ["dropped", "active", "frozen", "cold"],
+                        f"host tier: {self.n_active} active, {self.n_frozen} frozen, "
+                        f"{self.n_host - self.n_frozen} cold tokens")
 
 
 @dataclass
@@ -443,9 +468,9 @@ class KVTelemetry:
                 ax2.set_ylabel("layer")
             else:
                 ax2.axis("off")
-        elif self.host is not None:  # the host tier's map instead of the budgets
+        elif self.host is not None or self.summary is not None:  # the fate stage's map instead of the budgets
             fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(20, 5), gridspec_kw={"width_ratios": [1, 2.2, 2.2]})
-            self.host.plot_axes(ax2, fig)
+            (self.host or self.summary).plot_axes(ax2, fig)
         elif self.budgets is not None:
             fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             layer_ids = np.arange(len(self.budgets))

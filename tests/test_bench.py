@@ -119,6 +119,20 @@ def test_kvbench_bad_arguments_fail_with_a_message(args, message):
     assert message in p.stderr
 
 
+@pytest.mark.parametrize("policy, message", [
+    ("snapkv:budget=0.1+summarise:bin=128,rank=65", "stage 'summarise': rank must be <= the head size 64 (got 65)"),
+    ("snapkv:budget=0.1+summarise:bin=1000000000", "stage 'summarise': bin=1000000000 never fills in this context"),
+])
+def test_kvbench_says_what_the_model_refuses_before_any_test(model_path, policy, message):
+    """Errors that need the model or the context's size: one line before any test (not after the full cache's run,
+    with llama.cpp's own error lines and a partial table)."""
+    p = kvbench("-p", "64", "-n", "4", "-r", "1", "-t", "2", "--policy", policy, model_path=model_path)
+    assert p.returncode == 1 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvbench: {policy}: cannot create the context"), lines
+    assert f"policy 'snapkv', {message}" in lines[0]
+
+
 def test_kvbench_sizes_each_test_as_llama_bench(model_path):
     """Each (depth, prompt, gen) runs in a context of its own size, so a row's KV x is against the full cache that test
     needs, whatever else is in the sweep; a budget in tokens raises its policy's context."""
@@ -135,13 +149,14 @@ def test_kvbench_sizes_each_test_as_llama_bench(model_path):
     assert sweep[("snapkv:budget=512", 64)]["n_ctx"] == 512  # its budget, not the 66 tokens of the test
 
 
-def test_kvbench_keeps_the_rows_measured_before_a_failure(model_path):
+def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):
+    """A policy the context cannot hold (a budget above -c) ends the run before the first test, in one line, rather
+    than after the tests before it (a failure during a test still prints the rows measured before it)."""
     p = kvbench("-p", "64", "-n", "2", "-r", "1", "-t", "2", "-c", "256", "--no-limit", "-o", "jsonl",
                 "--policy", "snapkv:budget=0.25", "--policy", "snapkv:budget=512", model_path=model_path)
-    assert p.returncode == 1 and "budget=512 is larger than the context" in p.stderr
-    lines = [json.loads(line) for line in p.stdout.splitlines()]  # jsonl: one row per line, the run's settings in each
-    assert [r["label"] for r in lines] == ["full", "snapkv:budget=0.25"]
-    assert all(r["n_threads"] == 2 and r["model"] == model_path and r["n_ctx"] == 256 for r in lines)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.splitlines() == ["kvbench: snapkv:budget=512: cannot create the context (n_ctx 256): policy 'snapkv': "
+                                     "budget=512 is larger than the context (n_ctx=256)"]
 
 
 def test_kvbench_says_when_sparse_prefill_cannot_run(model_path):

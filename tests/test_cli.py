@@ -91,6 +91,15 @@ def test_telemetry_summary_and_json(tmp_path):
     assert js.stat().st_size > 100
 
 
+def test_telemetry_and_generate_print_the_summarise_counters(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"item {i} is {i * 7 % 13}." for i in range(80)))
+    for cmd in (["telemetry"], ["generate", "-n", "2"]):
+        out = run(*cmd, "-f", str(text), "-c", "1024", "--policy", "h2o:budget=64+summarise:bin=32,rank=4")
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"summarise: [1-9]\d* bins fitted", out.stdout + out.stderr), (out.stdout, out.stderr)
+
+
 def test_bad_policy_spec_is_one_line_naming_the_key():
     out = run("generate", "-p", PROMPT, "--policy", "observe:windw=8")
     assert out.returncode == 2

@@ -109,11 +109,22 @@ def test_fit_refuses_bad_shapes():
     ("snapkv+summarise:bins=3", "bins"),
     ("snapkv+summarise:lam=-0.5", "lam"),
     ("h2o+summarise:lam=1", "window"),
+    ("snapkv+summarise:bin=2147483648", "'bin' in stage 'summarise': '2147483648' is out of range"),
+    ("snapkv+summarise:bin=+64", "'bin' in stage 'summarise': no value: bin=<an integer> ('+' separates stages"),
 ])
 def test_bad_summarise_specs_fail_with_one_line(spec, key):
     with pytest.raises(PolicyError) as e:
         parse_policy(spec)
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_reasons_are_the_keys_own():
+    """A key's own condition is not a missing stage (no hint to add stages together); -0 is 0."""
+    with pytest.raises(PolicyError) as e:
+        parse_policy("h2o") + SummariseFate(lam=1.0)
+    assert "window" in str(e.value) and "add them together" not in str(e.value)
+    assert parse_policy("snapkv+summarise:lam=-0").spec().endswith("lam=0")
+    assert (SnapKV() + SummariseFate(lam=-0.0)).spec().endswith("lam=0")
 
 
 def test_lam_defaults_to_the_policys_order_with_a_window_of_one_query():
@@ -232,23 +243,53 @@ def test_summarise_holds_the_memory_of_plain_eviction(runs):
         assert b.n_used <= b.budget + 16  # the last streamed chunk of 16 sits beside the budget
 
 
-def test_summarise_telemetry_adds_up(runs):
+def test_summarise_telemetry_adds_up(runs, tmp_path):
     llm = runs["llm"]
     s = llm.kv_summary()
     assert s.n_bins > 0 and s.n_fallback == 0
     assert s.n_tokens == 16 * s.n_bins
     assert 0 < s.n_centroids <= 2 * s.n_bins
+    assert s.n_centroids + s.n_dropped == 2 * s.n_bins  # every centroid fitted is held, or was dropped (evicted)
     assert 0 < s.fit_err < 1 and 0 <= s.fit_lse_err < 1 and s.t_ms > 0
     assert s.n_pending < 16 * len(llm.kv_memory().layers)
     state = s.state
     assert state.shape == (len(llm.kv_memory().layers), llm.n_tokens)
-    assert (state == s.SUMMARISED).sum() > 0
     assert (state == s.CENTROID).sum() == s.n_centroids
+    assert (state == s.PENDING).sum() == s.n_pending
     kept_and_centroids = (state == s.KEPT).sum(axis=1) + (state == s.CENTROID).sum(axis=1)
     assert np.array_equal(kept_and_centroids, [b.n_used for b in llm.kv_memory().layers])
+    # a bin's 16 tokens read summarised while one of its centroids is held (each sits at one of them), dropped once
+    # both have left: whole bins in every layer, and fewer than all the tokens summarised when centroids were dropped
+    summarised = (state == s.SUMMARISED).sum(axis=1) + (state == s.CENTROID).sum(axis=1)
+    assert (summarised > 0).all() and (summarised % 16 == 0).all()
+    assert s.n_dropped > 0 and summarised.sum() < s.n_tokens
     tel = llm.kv_telemetry()
     assert tel.summary is not None
     json.loads(tel.to_json())
+    # the map in the plot, the counters in one line (pykvcache generate / telemetry print it)
+    assert tel.plot(tmp_path / "t.png").stat().st_size > 0
+    assert f"{s.n_bins} bins fitted" in s.line() and f"{s.n_dropped} centroids dropped" in s.line()
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.1+summarise:bin=128,rank=64", "snapkv:budget=0.1+summarise:bin=2,rank=1"])
+def test_centroids_that_leave_no_room_for_the_ubatch_are_dropped(model_path, text, spec):
+    """rank a large share of bin at a small budget: the centroids would outgrow what the protected tokens leave of the
+    layer (the next prompt chunk failed to decode, -3); those are dropped, counted, and the prompt runs."""
+    llm = Llama(model_path, n_ctx=N_PREFIX + 64, kv_policy=spec, verbose=False)
+    llm.eval(text[:N_PREFIX])
+    llm.eval(text[N_PREFIX:N_PREFIX + 4])
+    s = llm.kv_summary()
+    assert s.n_bins > 0 and s.n_dropped > 0 and s.n_centroids > 0
+    assert all(b.n_used <= b.capacity for b in llm.kv_memory().layers)
+    assert np.isfinite(llm.eval_logits[-1]).all()
+
+
+def test_the_map_of_a_batch_of_sequences_is_as_wide_as_the_sequence(model_path, text):
+    llm = Llama(model_path, n_ctx=1024, n_seq_max=2, kv_policy="snapkv:budget=64+summarise:bin=32,rank=4", verbose=False)
+    llm.generate_batch([text[:300], text[400:700]], max_tokens=4)
+    s = llm.kv_summary()  # of the sequence decoded last
+    assert s.state.shape[1] >= 300
+    assert (s.state == s.SUMMARISED).sum() > 0 and (s.state == s.CENTROID).sum() == s.n_centroids
 
 
 def test_summarise_streams_close_to_plain_eviction(runs):
@@ -404,7 +445,7 @@ def test_the_pending_bins_are_host_memory_beside_the_cache(model_path, text):
     assert rows[pol]["sum_bins"] == n_layers and rows[pol]["sum_ms_pp"] > 0 and rows[pol]["sum_ms_tg"] >= 0
     assert rows["full"]["sum_bins"] is None and rows["full"]["sum_ms_tg"] is None
     md = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd="/").stdout
-    assert "| host peak MiB |" in md and "| summarise ms, prompt |" in md and md.count(f"| {pol} |") == 3
+    assert "| host peak MiB |" in md and "| summarise ms, prompt |" in md and md.count(f"| {pol} |") == 4  # the rows, the host memory, the policy host time, the fate time
 
 
 @pytest.mark.parametrize("n_prompt, fitted", [(450, False), (500, True)])

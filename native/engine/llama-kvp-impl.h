@@ -383,7 +383,8 @@ struct llama_kvp_summarise_sums {
 // adds the summarise counters of KV layer ikv to out and sums (false if the layer has no summarise state); appends
 // the positions it summarised to `summarised` when not null
 bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struct llama_kvp_summary_stats & out,
-                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised);
+                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised,
+                                     std::vector<llama_pos> * pending);
 
 //
 // host tier telemetry (stages/fate-host.cpp)

@@ -20,8 +20,9 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 6; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
-                                                      // 6: the cells' layout, the observation state, the step counters
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 7; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
+                                                      // 6: the cells' layout, the observation state, the step counters;
+                                                      // 7: summarise's bins apart, its dropped centroids
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header

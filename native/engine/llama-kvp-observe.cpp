@@ -262,7 +262,7 @@ llama_memory_i * llama_kvp_create_memory(
     if (const auto * fate = llama_kvp_fate_of(policy)) {
         const std::string err = fate->check_model(policy, (int32_t) model.hparams.n_embd_head_k(), cparams.n_ctx_seq);
         if (!err.empty()) {
-            throw fail("policy '" + pname + "': " + err);
+            throw fail("policy '" + pname + "', stage '" + fate->name + "': " + err);
         }
     }
     if (policy.budget >= 1.0f && policy.budget > (float) cparams.n_ctx_seq && policy.budget != LLAMA_KVP_BUDGET_ALL) {

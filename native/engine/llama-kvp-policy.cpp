@@ -343,10 +343,25 @@ static bool llama_kvp_parse_float(const std::string & v, float & out) {
     if (*end != '\0') { // out of range and non-finite values are left to the validation of the key
         return false;
     }
-    out = (float) x;
+    out = (float) x + 0.0f; // -0 is 0 (and prints so in the canonical spec)
     return true;
 }
 
+// why a value of a key is refused by the parser
+static std::string llama_kvp_bad_value(const std::string & key, const std::string & val, bool has_eq, bool is_float) {
+    const std::string kind = is_float ? "a number" : "an integer";
+    if (val.empty()) {
+        return "no value: " + key + "=<" + kind + ">" + (has_eq ? " ('+' separates stages: a positive number goes without its sign)" : "");
+    }
+    if (!is_float) {
+        char * end = nullptr;
+        (void) strtoll(val.c_str(), &end, 10);
+        if (*end == '\0') {
+            return "'" + val + "' is out of range (a 32-bit integer)";
+        }
+    }
+    return "'" + val + "' is not " + kind;
+}
 
 // applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors
 static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p) {
@@ -379,7 +394,7 @@ static bool llama_kvp_apply_keys(const std::string & items, const char * accepte
         char * field = (char *) &p + kinfo->offset;
         const bool val_ok = kinfo->is_float ? llama_kvp_parse_float(val, *(float *) field) : llama_kvp_parse_int(val, *(int32_t *) field);
         if (eq == std::string::npos || !val_ok) {
-            llama_kvp_set_error("bad value for '" + key + "' in " + what + ": '" + val + "' is not " + (kinfo->is_float ? "a number" : "an integer"));
+            llama_kvp_set_error("bad value for '" + key + "' in " + what + ": " + llama_kvp_bad_value(key, val, eq != std::string::npos, kinfo->is_float));
             return false;
         }
     }

@@ -712,14 +712,15 @@ int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_s
     *out = {};
     llama_kvp_summarise_sums sums;
     for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
-        llama_kvp_summarise_layer_stats(*mem, i, *out, sums, nullptr);
+        llama_kvp_summarise_layer_stats(*mem, i, *out, sums, nullptr, nullptr);
     }
     out->fit_err     = sums.n_fit > 0 ? (float) (sums.err/sums.n_fit) : 0.0f;
     out->fit_lse_err = sums.n_fit > 0 ? (float) (sums.lse/sums.n_fit) : 0.0f;
     return 0;
 }
 
-int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+// positions of a summarising layer's tokens that are summarised (pending: false) or waiting in its bin (true)
+static int32_t llama_kvp_layer_summary_pos(struct llama_context * ctx, int32_t ikv, bool pending, int32_t * out, int32_t n_max) {
     llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
     if (!mem || !llama_kvp_check_layer(mem, ikv)) {
         return -1;
@@ -727,11 +728,19 @@ int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int3
     llama_kvp_summary_stats tmp = {};
     llama_kvp_summarise_sums sums;
     std::vector<llama_pos> pos;
-    llama_kvp_summarise_layer_stats(*mem, ikv, tmp, sums, &pos);
+    llama_kvp_summarise_layer_stats(*mem, ikv, tmp, sums, pending ? nullptr : &pos, pending ? &pos : nullptr);
     for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
         out[i] = pos[i];
     }
     return (int32_t) pos.size();
+}
+
+int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    return llama_kvp_layer_summary_pos(ctx, ikv, false, out, n_max);
+}
+
+int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    return llama_kvp_layer_summary_pos(ctx, ikv, true, out, n_max);
 }
 
 int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max) {

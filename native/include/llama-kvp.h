@@ -353,6 +353,7 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, i
 struct llama_kvp_summary_stats {
     int64_t n_bins;       // bins replaced by centroids, all layers
     int64_t n_fallback;   // bins dropped instead because their fit failed (singular or not finite)
+    int64_t n_dropped;    // centroid cells dropped: evicted in turn, or no cell left for them when their bin was fitted
     int64_t n_tokens;     // tokens summarised (in the bins replaced)
     int32_t n_pending;    // tokens waiting in partly filled bins (held in host memory, not in the cache)
     int32_t n_centroids;  // centroid cells in the caches now
@@ -365,9 +366,14 @@ struct llama_kvp_summary_stats {
 // counters of the summarise fate over all layers; returns 0, or -1 if the policy does not summarise
 int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out);
 
-// positions of the tokens KV layer ikv has summarised so far (in bins replaced by centroids); returns their count
-// (the positions written are the first n_max)
+// positions of the tokens KV layer ikv holds summarised: those of the bins replaced by centroids that still have a
+// centroid cell in the layer (a bin whose centroids all left is dropped); returns their count (the positions written
+// are the first n_max)
 int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+
+// positions of the tokens waiting in KV layer ikv's bin (left the cache, in host memory, not fitted yet); returns
+// their count (the positions written are the first n_max)
+int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
 
 // mask bias of each cell of KV layer ikv: log of the tokens a centroid cell stands for, 0 for a token's own cell;
 // returns the number of cells written

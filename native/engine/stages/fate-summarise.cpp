@@ -352,7 +352,8 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
     size_t                 row_v = 0;
     std::vector<uint32_t>  unread; // cells of the last pending tokens, whose K and V rows are not read yet (until the
                                    // end of the eviction pass: llama_kvp_fate_summarise::read_leavers)
-    std::vector<llama_pos> done;   // positions summarised (telemetry)
+    std::vector<llama_pos> done;   // positions summarised (telemetry), bin after bin
+    std::vector<uint32_t>  done_end; // where each bin's positions end in done
     llama_pos              pos_max = -1; // the largest position pending or summarised (forget has nothing past it)
     std::vector<std::pair<int32_t, int32_t>> closing; // bins that closed in this step's eviction: (tokens, centroids),
                                                       // the first pending tokens in this order (fitted in after_evictions)
@@ -361,6 +362,7 @@ struct llama_kvp_summarise_state : llama_kvp_layer_state {
 
     int64_t n_bins     = 0;
     int64_t n_fallback = 0;
+    int64_t n_dropped  = 0;  // centroids dropped: evicted in turn, or no cell left for them when their bin was fitted
     int64_t n_tokens   = 0;
     int64_t n_fit      = 0;  // (bin, KV head) fits, the denominator of the errors
     double  err_sum    = 0.0;
@@ -630,6 +632,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         for (const auto & c : leaving) {
             if (L.bias.count(c.pos)) {
                 mem.cell_free(ikv, c.idx); // a centroid leaving is dropped
+                S.n_dropped++;
                 continue;
             }
             S.pos.push_back(c.pos);
@@ -777,15 +780,16 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             return;
         }
         const auto & S = static_cast<const llama_kvp_summarise_state &>(*L.fate);
-        const uint32_t hdr[5] = { (uint32_t) S.pos.size(), (uint32_t) S.type, (uint32_t) S.row_k, (uint32_t) S.row_v,
-                                  (uint32_t) S.done.size() };
+        const uint32_t hdr[6] = { (uint32_t) S.pos.size(), (uint32_t) S.type, (uint32_t) S.row_k, (uint32_t) S.row_v,
+                                  (uint32_t) S.done.size(), (uint32_t) S.done_end.size() };
         auto put = [&](const void * x, size_t n) { llama_kvp_state_put(out, x, n); };
-        const int64_t cnt[4] = { S.n_bins, S.n_fallback, S.n_tokens, S.n_fit };
+        const int64_t cnt[5] = { S.n_bins, S.n_fallback, S.n_tokens, S.n_fit, S.n_dropped };
         const double  sum[3] = { S.err_sum, S.lse_sum, S.t_ms };
         put(hdr, sizeof(hdr));
         put(cnt, sizeof(cnt));
         put(sum, sizeof(sum));
         put(S.done.data(), S.done.size()*sizeof(llama_pos));
+        put(S.done_end.data(), S.done_end.size()*sizeof(uint32_t));
         for (size_t i = 0; i < S.pos.size(); ++i) {
             put(&S.pos[i],   sizeof(int32_t));
             put(&S.score[i], sizeof(float));
@@ -800,7 +804,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         }
         auto & L = mem.layers[ikv];
         auto & S = llama_kvp_summarise_of(L);
-        uint32_t hdr[5] = {};
+        uint32_t hdr[6] = {};
         if (in.size() < sizeof(hdr)) {
             throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
         }
@@ -813,9 +817,10 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                       hdr[3] != ggml_row_size(type, n_embd_v))) {
             throw std::runtime_error("pykvcache: the summarise bins in this state were saved with other K/V sizes");
         }
-        int64_t cnt[4] = {};
+        int64_t cnt[5] = {};
         double  sum[3] = {};
-        if (in.size() != sizeof(hdr) + sizeof(cnt) + sizeof(sum) + (size_t) hdr[4]*sizeof(llama_pos) + n*(8 + (size_t) hdr[2] + hdr[3])) {
+        if (in.size() != sizeof(hdr) + sizeof(cnt) + sizeof(sum) + (size_t) hdr[4]*sizeof(llama_pos) + (size_t) hdr[5]*sizeof(uint32_t) +
+                         n*(8 + (size_t) hdr[2] + hdr[3])) {
             throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
         }
         const uint8_t * x = in.data() + sizeof(hdr);
@@ -827,12 +832,19 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         S.n_fallback = cnt[1];
         S.n_tokens   = cnt[2];
         S.n_fit      = cnt[3];
+        S.n_dropped  = cnt[4];
         S.err_sum    = sum[0];
         S.lse_sum    = sum[1];
         S.t_ms       = sum[2];
         S.done.resize(hdr[4]);
         memcpy(S.done.data(), x, S.done.size()*sizeof(llama_pos));
         x += S.done.size()*sizeof(llama_pos);
+        S.done_end.resize(hdr[5]);
+        memcpy(S.done_end.data(), x, S.done_end.size()*sizeof(uint32_t));
+        x += S.done_end.size()*sizeof(uint32_t);
+        if (!S.done_end.empty() && S.done_end.back() != S.done.size()) {
+            throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
+        }
         S.pos.resize(n);
         S.score.resize(n);
         for (size_t i = 0; i < n; ++i, x += 8) {
@@ -885,10 +897,27 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             S.v.resize(w*S.row_v);
             if (p0 <= 0 && p1 < 0) {
                 S.done.clear();
+                S.done_end.clear();
                 S.k.shrink_to_fit(); // a cleared sequence gives its bin's host memory back
                 S.v.shrink_to_fit();
             } else {
-                S.done.erase(std::remove_if(S.done.begin(), S.done.end(), [&](llama_pos p) { return p >= p0 && (p1 < 0 || p < p1); }), S.done.end());
+                // the positions removed, bin by bin (a bin left with none is gone)
+                size_t   wd = 0;
+                size_t   wb = 0;
+                uint32_t b0 = 0;
+                for (uint32_t b1 : S.done_end) {
+                    for (uint32_t i = b0; i < b1; ++i) {
+                        if (!(S.done[i] >= p0 && (p1 < 0 || S.done[i] < p1))) {
+                            S.done[wd++] = S.done[i];
+                        }
+                    }
+                    if (wd > (wb > 0 ? S.done_end[wb - 1] : 0)) {
+                        S.done_end[wb++] = (uint32_t) wd;
+                    }
+                    b0 = b1;
+                }
+                S.done.resize(wd);
+                S.done_end.resize(wb);
             }
             if (S.pos.empty() && S.done.empty()) {
                 S.pos_max = -1;
@@ -1081,14 +1110,21 @@ private:
         sc /= rank;
         const size_t nb_k = llama_kvp_cell_bytes(kt, false);
         const size_t nb_v = llama_kvp_cell_bytes(vt, v_trans);
+        const uint32_t size = L.kv->get_size();
+        // the cells the ubatch about to run needs (after a prompt's end, the next step's token)
+        const uint32_t n_next = mem.ubatch_ends ? 1 : std::max<uint32_t>(1, mem.n_ubatch_cur);
         std::vector<uint32_t> idx;
         std::vector<uint8_t>  k_rows((size_t) rank*nb_k);
         std::vector<uint8_t>  v_rows((size_t) rank*nb_v);
         for (int32_t r = 0; r < rank; ++r) {
+            // the memory evicts more tokens to make room for the centroids, but never the protected ones (sinks and
+            // recent): where rank is a large share of bin at a small budget, the centroids left after them would
+            // take the ubatch's cells, and its decode would fail; those are dropped instead
             const llama_pos p_last = S.pos[ord[n - rank + r]];
-            const int32_t i = mem.cell_place(j.ikv, p_last, std::log((float) j.cnt[r]));
+            const int32_t i = llama_kvp_kv_access::n_used(*L.kv) + n_next < size ? mem.cell_place(j.ikv, p_last, std::log((float) j.cnt[r])) : -1;
             if (i < 0) {
-                continue; // no free cell (the protected tokens fill the layer): this run is dropped
+                S.n_dropped++;
+                continue;
             }
             // in the cache's types (a transposed V is never quantized: its elements are its row's)
             ggml_quantize_chunk(kt->type, j.kc.data() + (size_t) r*kt->ne[0], k_rows.data() + idx.size()*nb_k, 0, 1, kt->ne[0], nullptr);
@@ -1099,12 +1135,12 @@ private:
             }
         }
         // the centroids' cells written together: a few transfers to device memory, not one per row or element
-        const uint32_t size = L.kv->get_size();
         llama_kvp_cells_write(kt, false,   size, idx, k_rows.data());
         llama_kvp_cells_write(vt, v_trans, size, idx, v_rows.data());
         for (int32_t t = 0; t < n; ++t) {
             S.done.push_back(S.pos[j.off + t]);
         }
+        S.done_end.push_back((uint32_t) S.done.size());
         S.n_bins++;
         S.n_tokens += n;
     }
@@ -1116,7 +1152,8 @@ const llama_kvp_stage * llama_kvp_stage_fate_summarise() {
 }
 
 bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_summary_stats & out,
-                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised) {
+                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised,
+                                     std::vector<llama_pos> * pending) {
     const auto & L = mem.layers[ikv];
     out.n_centroids += (int32_t) L.bias.size();
     if (!L.fate) {
@@ -1125,6 +1162,7 @@ bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, 
     const auto & S = static_cast<const llama_kvp_summarise_state &>(*L.fate);
     out.n_bins        += S.n_bins;
     out.n_fallback    += S.n_fallback;
+    out.n_dropped     += S.n_dropped;
     out.n_tokens      += S.n_tokens;
     out.n_pending     += (int32_t) S.pos.size();
     out.pending_bytes += (int64_t) (S.k.size() + S.v.size());
@@ -1132,8 +1170,20 @@ bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, 
     sums.err  += S.err_sum;
     sums.lse  += S.lse_sum;
     sums.n_fit += S.n_fit;
-    if (summarised) {
-        summarised->insert(summarised->end(), S.done.begin(), S.done.end());
+    // a bin's tokens are summarised while one of its centroids is held (each sits at one of its tokens' positions)
+    uint32_t b0 = 0;
+    for (uint32_t b1 : S.done_end) {
+        bool held = false;
+        for (uint32_t i = b0; i < b1 && !held && summarised; ++i) {
+            held = L.bias.count(S.done[i]) > 0;
+        }
+        if (held) {
+            summarised->insert(summarised->end(), S.done.begin() + b0, S.done.begin() + b1);
+        }
+        b0 = b1;
+    }
+    if (pending) {
+        pending->insert(pending->end(), S.pos.begin(), S.pos.end());
     }
     return true;
 }
