@@ -89,6 +89,14 @@ def _kvbench_table(res: Optional[Dict[str, Any]], what: str) -> str:
         lines += ["", "| policy | bins | summarise ms, prompt | summarise ms per decoded token |", "|---|---:|---:|---:|"]
         lines += [f"| {r['label']} | {r['sum_bins']:.0f} | {r['sum_ms_pp']:.0f} | {r['sum_ms_tg'] / max(r['n_gen'], 1):.3f} |"
                   for r in sums]
+    perf = [r for r in res["results"] if r.get("host_ms_tg") is not None and r.get("tg_ts")]
+    if perf:  # the policy's own host time around the graphs per decoded token (llama_kvp_perf), by part
+        lines += ["", "| policy | host ms per decoded token | prepare | slots | inputs | x step |", "|---|---:|---:|---:|---:|---:|"]
+        for r in perf:
+            n = max(r["n_gen"], 1)
+            parts = r["host_ms_tg_parts"]
+            lines.append(f"| {r['label']} | {r['host_ms_tg'] / n:.3f} | {parts[0] / n:.3f} | {parts[1] / n:.3f} | "
+                         f"{parts[2] / n:.3f} | {r['host_ms_tg'] / n * r['tg_ts'] / 1000:.3f} |")
     return "\n".join(lines)
 
 

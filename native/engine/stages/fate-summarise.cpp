@@ -842,7 +842,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         S.done_end.resize(hdr[5]);
         memcpy(S.done_end.data(), x, S.done_end.size()*sizeof(uint32_t));
         x += S.done_end.size()*sizeof(uint32_t);
-        if (!S.done_end.empty() && S.done_end.back() != S.done.size()) {
+        if ((S.done_end.empty() ? 0 : S.done_end.back()) != S.done.size()) {
             throw std::runtime_error("pykvcache: corrupt summarise bins in the state");
         }
         S.pos.resize(n);

@@ -4,7 +4,10 @@
 # (llama-kvp-gather.cpp). Issue 14 asks >= 0.9x of eviction's decode; the fourth run measured 0.60-0.74x (H200),
 # with ~0.25 ms a token of leaver reads and 0.3-0.5 ms a step of the lam ordering. Flash attention on (kvbench's
 # default) and off (llama-cpp-python's default: a transposed V, which summarise read element by element before).
-# Run with the kit of docs/results/gpu/NOTE.md (scripts/gpu-kit.sh, the whole model in three parts).
+# Run with the kit of docs/results/gpu/NOTE.md (scripts/gpu-kit.sh, the whole model in three parts). kvbench's JSON
+# now carries the policy's own host time per decoded token by part (host_ms_tg, host_ms_tg_parts: prepare, slots,
+# inputs, settle; llama_kvp_perf), so each row says how much of its step is the policy's host work and how much the
+# device's: bench/gpu_results.py prints it beside the speeds.
 set -u
 source scripts/gpu-full-model.sh  # the kit's binaries, the joined model (B, M, T, LD_LIBRARY_PATH)
 L=$OUT/run.log
