@@ -450,11 +450,9 @@ void llama_kvp_obs_reset(llama_kvp_context * st);
 // head-major within a row, and their positions in qpos when not null; returns n (0 without an observation ring)
 int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::vector<float> & q, std::vector<llama_pos> * qpos = nullptr);
 
-// cell idx of KV layer ikv now holds pos with this accumulated score, also its last observation (a cell filled by a
-// fate stage)
-void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score);
-// the same for n cells at once (one read and one write of the span they cover), with their last observations (null:
-// the scores) and their value norms (null: not known, the host computes them when a policy uses them)
+// cells idx[0..n) of KV layer ikv now hold pos[] with these accumulated scores (cells filled by a fate stage), in one
+// read and one write of the span they cover, with their last observations (null: the scores) and their value norms
+// (null: not known, the host computes them when a policy uses them)
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
                                    const float * score, size_t n, const float * last = nullptr,
                                    const float * value = nullptr);

@@ -1503,10 +1503,6 @@ int32_t llama_kvp_obs_layer_queries(llama_kvp_context * st, int32_t ikv, std::ve
     return n;
 }
 
-void llama_kvp_obs_cell_set_score(llama_kvp_context * st, int32_t ikv, uint32_t idx, llama_pos pos, float score) {
-    llama_kvp_obs_cells_set_score(st, ikv, &idx, &pos, &score, 1, nullptr);
-}
-
 void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const uint32_t * idx, const llama_pos * pos,
                                    const float * score, size_t n, const float * last, const float * value) {
     auto & L = st->layers[ikv];

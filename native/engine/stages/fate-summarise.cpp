@@ -1113,8 +1113,9 @@ private:
         const uint32_t size = L.kv->get_size();
         // the cells the ubatch about to run needs (after a prompt's end, the next step's token)
         const uint32_t n_next = mem.ubatch_ends ? 1 : std::max<uint32_t>(1, mem.n_ubatch_cur);
-        std::vector<uint32_t> idx;
-        std::vector<uint8_t>  k_rows((size_t) rank*nb_k);
+        std::vector<uint32_t>  idx;
+        std::vector<llama_pos> pos;
+        std::vector<uint8_t>   k_rows((size_t) rank*nb_k);
         std::vector<uint8_t>  v_rows((size_t) rank*nb_v);
         for (int32_t r = 0; r < rank; ++r) {
             // the memory evicts more tokens to make room for the centroids, but never the protected ones (sinks and
@@ -1130,11 +1131,14 @@ private:
             ggml_quantize_chunk(kt->type, j.kc.data() + (size_t) r*kt->ne[0], k_rows.data() + idx.size()*nb_k, 0, 1, kt->ne[0], nullptr);
             ggml_quantize_chunk(vt->type, j.vc.data() + (size_t) r*n_embd_v,  v_rows.data() + idx.size()*nb_v, 0, 1, n_embd_v,  nullptr);
             idx.push_back((uint32_t) i);
-            if (st) {
-                llama_kvp_obs_cell_set_score(st, j.ikv, (uint32_t) i, p_last, sc); // its tokens' score until observed
-            }
+            pos.push_back(p_last);
         }
-        // the centroids' cells written together: a few transfers to device memory, not one per row or element
+        // the centroids' cells and their scores (their tokens' score until observed) written together: a few
+        // transfers to device memory, not one per row or element
+        if (st && !idx.empty()) {
+            const std::vector<float> scs(idx.size(), sc);
+            llama_kvp_obs_cells_set_score(st, j.ikv, idx.data(), pos.data(), scs.data(), idx.size(), nullptr);
+        }
         llama_kvp_cells_write(kt, false,   size, idx, k_rows.data());
         llama_kvp_cells_write(vt, v_trans, size, idx, v_rows.data());
         for (int32_t t = 0; t < n; ++t) {
