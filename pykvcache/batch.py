@@ -73,14 +73,19 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
     n_batch = llm.n_batch
     batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
     try:
-        # the prompts, n_batch tokens per decode call in sequence order; each prompt's last token gives logits
-        pending = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
         cur = {}
-        for i0 in range(0, len(pending), n_batch):
-            part = [(s, i, t, i == len(prompts[s]) - 1) for s, i, t in pending[i0 : i0 + n_batch]]
-            _fill(batch, [(t, i, s, last) for s, i, t, last in part])
-            _decode(ctx, batch)
-            cur.update({s: _argmax(ctx, j, llm.n_vocab()) for j, (s, _, _, last) in enumerate(part) if last})
+        if pol is not None and (pol.guides or pol.summarises or pol.sparse or llm._latent_at_end):
+            # what eval() does to a prompt (guided chunks, the prompt's end, a latent re-rank), sequence by sequence
+            for s, p in enumerate(prompts):
+                cur[s] = _prefill_one(llm, batch, s, p)
+        else:
+            # the prompts, n_batch tokens per decode call in sequence order; each prompt's last token gives logits
+            pending = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+            for i0 in range(0, len(pending), n_batch):
+                part = [(s, i, t, i == len(prompts[s]) - 1) for s, i, t in pending[i0 : i0 + n_batch]]
+                _fill(batch, [(t, i, s, last) for s, i, t, last in part])
+                _decode(ctx, batch)
+                cur.update({s: _argmax(ctx, j, llm.n_vocab()) for j, (s, _, _, last) in enumerate(part) if last})
         # then one token per live sequence per decode call
         out: List[List[int]] = [[cur[s]] for s in range(len(prompts))]
         pos = [len(p) for p in prompts]
@@ -97,6 +102,35 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
         return out
     finally:
         llama_cpp.llama_batch_free(batch)
+
+
+def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
+    """Prompt p into sequence s as Llama.eval evaluates a prompt in a context of its own; returns its greedy token."""
+    _, lib = native()
+    nctx, ctx, n_batch = llm._native_ctx(), llm._ctx.ctx, llm.n_batch
+    if lib.llama_kvp_seq_select(nctx, s) != 0:
+        raise PolicyError(last_error())
+    k = 0
+    if llm.kv_policy.guides and len(p) > 1:  # question-guided chunks, scored by the prompt's end run behind them
+        k = lib.llama_kvp_prefill_guided(nctx, list(p), len(p), 0)
+        if k < 0:
+            raise RuntimeError(last_error())
+    rest = list(range(k, len(p)))
+    if llm.kv_policy.observes and len(rest) > 1 and len(rest) % n_batch == 1:
+        lib.llama_kvp_obs_request(nctx)  # a prompt's last chunk observes even if it is one token
+    for i0 in range(0, len(rest), n_batch):  # only the prompt's last token gives logits (its end, for summarise)
+        _fill(batch, [(p[i], i, s, i == len(p) - 1) for i in rest[i0 : i0 + n_batch]])
+        _decode(ctx, batch)
+    if llm._latent_at_end and len(p) > 1:
+        # re-ranked by the prompt's end, its last tokens evaluated again to see what came back, then the last one
+        for k_redo in (max(1, min(len(p), llm._latent_window)), 1):
+            if lib.llama_kvp_latent_rerank(nctx) != 0:
+                raise RuntimeError(last_error())
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), s, len(p) - k_redo, -1)
+            for i0 in range(len(p) - k_redo, len(p), n_batch):
+                _fill(batch, [(p[i], i, s, i == len(p) - 1) for i in range(i0, min(i0 + n_batch, len(p)))])
+                _decode(ctx, batch)
+    return _argmax(ctx, batch.n_tokens - 1, llm.n_vocab())
 
 
 def _fill(batch: Any, items: Sequence[tuple]) -> None:

@@ -52,6 +52,26 @@ def test_batched_sequences_generate_what_single_contexts_do(model_path, spec):
     llm.close()
 
 
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.25", "snapkv:budget=0.2+summarise:bin=32,rank=4",
+                                  "snapkv:budget=0.25+host+latent"])
+def test_batched_sequences_generate_what_generate_does(model_path, spec):
+    """A prompt's own treatment in eval() (question-guided chunks, its end settled for summarise, the latent re-rank
+    at its end) applies in a batch too: the batch's prefill skipped it, so SnapKV's text differed from generate()."""
+    llm = Llama(model_path, n_ctx=3 * N_CTX_SEQ, n_seq_max=3, verbose=False, kv_policy=spec)
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS]
+    out = llm.generate_batch(prompts, 8)
+    for p, got in zip(prompts, out):
+        single = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, kv_policy=spec)
+        ref = []
+        for t in single.generate(p, temp=0.0):
+            ref.append(t)
+            if len(ref) == 8:
+                break
+        single.close()
+        assert got == ref
+    llm.close()
+
+
 def test_each_sequence_resolves_its_own_budget(model_path):
     llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="snapkv:budget=0.25")
     prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
