@@ -112,6 +112,13 @@ class Llama(llama_cpp.Llama):
             raise
         finally:
             lib.llama_kvp_clear_pending()
+        if self.input_ids.shape[0] < self._n_ctx:
+            # llama.cpp pads the context to a multiple of 256 and llama-cpp-python checks prompts against that, but
+            # sizes its token and logit buffers by the n_ctx asked for: a prompt between the two failed with numpy's
+            # "could not broadcast" (n_ctx=100, 150 tokens)
+            self.input_ids = np.zeros(self._n_ctx, dtype=np.intc)
+            if self._logits_all:
+                self.scores = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
 
     def close(self) -> None:
         """Explicitly free the model from memory (also after a failed construction)."""

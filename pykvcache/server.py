@@ -29,7 +29,8 @@ try:
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from pydantic import Field, ValidationError, field_validator
-    from .server_errors import JSONBodyGuard, install_error_mapping
+    from . import server_errors
+    from .server_errors import REQUEST_BODY, JSONBodyGuard, install_error_mapping
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError(f"pykvcache serve needs the server extra: pip install 'pykvcache[server]' ({exc})") from exc
 
@@ -127,7 +128,8 @@ class ViewPool:
     def __init__(self, n: int) -> None:
         self.n = n
         self.views: List[Any] = []
-        self.free: List[Any] = []
+        self.free: List[Any] = []  # in the order they were given back
+        self.last: Dict[int, str] = {}  # by view: the text of the last request it served
         self.llama: Optional[Llama] = None
         self._sem: Optional[anyio.Semaphore] = None
         self._load = threading.Lock()
@@ -141,14 +143,25 @@ class ViewPool:
                 self.views = sequence_views(llama)
                 self.free = list(self.views)
 
-    async def take(self, proxy: LlamaProxy) -> "PoolProxy":
-        """Wait for a free sequence; the model loads on the first request."""
+    async def take(self, proxy: LlamaProxy, text: str = "") -> "PoolProxy":
+        """Wait for a free sequence: the one whose last request's text this one's starts with the most (half of it at
+        least: a chat's next turn finds its conversation), else the one free the longest (llama-server's choice of a
+        slot by prompt similarity, then least recently used)."""
         if self._sem is None:
             self._sem = anyio.Semaphore(self.n)
         await self._sem.acquire()
         try:
             self._views_of(proxy(None))
-            return PoolProxy(proxy, self, self.free.pop())
+
+            def similarity(i: int) -> tuple:
+                last = self.last.get(id(self.free[i]), "")
+                n = _common_start(last, text)
+                return (n if n > 0 and 2 * n >= len(last) else 0, -i)
+
+            best = max(range(len(self.free)), key=similarity)
+            view = self.free.pop(best)
+            self.last[id(view)] = text
+            return PoolProxy(proxy, self, view)
         except BaseException:
             self._sem.release()
             raise
@@ -158,6 +171,27 @@ class ViewPool:
         self.free.append(view)
         assert self._sem is not None
         self._sem.release()
+
+
+def _common_start(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def request_text(body: Any) -> str:
+    """The text a completion or chat request starts from (its prompt, or its messages' contents in order)."""
+    if not isinstance(body, dict):
+        return ""
+    if isinstance(body.get("prompt"), str):
+        return body["prompt"]
+    parts = []
+    for m in body.get("messages") or []:
+        if isinstance(m, dict):
+            parts.append(f"{m.get('role', '')}\x00{m.get('content') if isinstance(m.get('content'), str) else ''}\x00")
+    return "".join(parts)
 
 
 class PoolProxy:
@@ -187,7 +221,7 @@ def use_view_pool(app: Any, n_parallel: int) -> ViewPool:
         if server_app._llama_proxy is None:
             yield None
             return
-        proxy = await pool.take(server_app._llama_proxy)
+        proxy = await pool.take(server_app._llama_proxy, request_text(REQUEST_BODY.get()))
         try:
             yield proxy
         finally:
@@ -229,6 +263,8 @@ def add_kv_routes(app: Any) -> None:
 def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
     """The KV stats of the model the pool serves, with each sequence's budget and cells, read between decode steps."""
     alias = next(iter(llama_proxy))
+    if pool.llama is None and llama_proxy is not None:
+        pool._views_of(llama_proxy(None))  # loaded at start; the views are made by the first request or here
     if pool.llama is None:
         return {"model": alias, "loaded": False, "policy": llama_proxy[alias].get("kv_policy")}
     from .parallel import sequence_stats
@@ -257,6 +293,29 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
     return entry
 
 
+def _loaded_model() -> Optional[Any]:
+    proxy = server_app._llama_proxy
+    return getattr(proxy, "_current_model", None) if proxy is not None else None
+
+
+def set_request_limits(model_settings: List[KVModelSettings]) -> None:
+    """What the request guard checks against the loaded model: its vocabulary (logit_bias ids) and the largest body
+    worth reading (256 bytes a context position, at least 4 MiB: no longer prompt fits)."""
+    n_ctx_set = max(m.n_ctx for m in model_settings)
+
+    def vocab_size() -> Optional[int]:
+        model = _loaded_model()
+        return int(model.n_vocab()) if model is not None else None
+
+    def max_body() -> Optional[int]:
+        model = _loaded_model()
+        n_ctx = max(n_ctx_set, int(model.n_ctx()) if model is not None else 0)
+        return max(4 << 20, 256 * n_ctx)
+
+    server_errors.VOCAB_SIZE = vocab_size
+    server_errors.MAX_BODY = max_body
+
+
 def create_app(server_settings: ServerSettings, model_settings: List[KVModelSettings]) -> Any:
     """The llama-cpp-python server app on pykvcache: every model loaded with its KV policy, plus /v1/kv/stats."""
     n_parallel = max(getattr(m, "n_parallel", 1) for m in model_settings)
@@ -268,6 +327,7 @@ def create_app(server_settings: ServerSettings, model_settings: List[KVModelSett
         raise ValueError("--embedding serves one request at a time: leave --n_parallel at 1")
     server_app.LlamaProxy = KVLlamaProxy
     install_error_mapping()
+    set_request_limits(model_settings)
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
     app.add_middleware(JSONBodyGuard)
     if n_parallel > 1:
@@ -295,6 +355,16 @@ def load_settings(args: argparse.Namespace) -> tuple:
     return parse_model_from_args(ServerSettings, args), [parse_model_from_args(KVModelSettings, args)]
 
 
+def check_listen_settings(server_settings: ServerSettings, port: str) -> None:
+    """Where the server listens: a port uvicorn can bind, certificate files that exist (its tracebacks otherwise)."""
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"port {port}: give 0 to 65535")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(server_settings, flag)
+        if path and not os.path.isfile(path):
+            raise ValueError(f"--{flag} {path}: no such file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags of llama-cpp-python's server, `--kv-policy` and `--config_file`."""
     parser = argparse.ArgumentParser(
@@ -318,6 +388,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         server_settings, model_settings = load_settings(args)
+        port = os.getenv("PORT", str(server_settings.port))
+        check_listen_settings(server_settings, port)  # before the model loads
         app = create_app(server_settings, model_settings)
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -328,7 +400,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (PolicyError, ValueError, FileNotFoundError) as exc:
         print(f"pykvcache serve: error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=os.getenv("HOST", server_settings.host), port=int(os.getenv("PORT", server_settings.port)),
+    uvicorn.run(app, host=os.getenv("HOST", server_settings.host), port=int(port),
                 ssl_keyfile=server_settings.ssl_keyfile, ssl_certfile=server_settings.ssl_certfile)
     return 0
 

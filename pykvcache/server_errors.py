@@ -10,6 +10,7 @@ error becomes an `{"error": ...}` event before `[DONE]`, as OpenAI's API sends i
 
 from __future__ import annotations
 
+import contextvars
 import json
 import sys
 import traceback
@@ -31,26 +32,59 @@ JSON_ROUTES = (
 )
 
 
+# the JSON body of the request being served (the guard parsed it), for what needs it outside the route's arguments
+REQUEST_BODY: contextvars.ContextVar[Any] = contextvars.ContextVar("pykvcache_request_body", default=None)
+
+
 def error_body(message: str, param: Optional[str] = None, code: Optional[str] = None,
                kind: str = "invalid_request_error") -> Dict[str, Any]:
     """An OpenAI-style error object."""
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
-def body_problem(body: bytes) -> Optional[str]:
-    """What is wrong with a request body that should be a JSON object (None: nothing)."""
+# the loaded model's vocabulary size and the largest request body taken (bytes), set by the server (None: unknown)
+VOCAB_SIZE: Callable[[], Optional[int]] = lambda: None
+MAX_BODY: Callable[[], Optional[int]] = lambda: None
+
+
+def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
+    """What is wrong with a request body that should be a JSON object (None: nothing), the object, and whether it
+    changed: chat contents given as lists of text parts (OpenAI's other form) joined into their text."""
     try:
         obj = json.loads(body)
     except RecursionError:
-        return "the request body is nested too deeply"
+        return "the request body is nested too deeply", None, False
     except ValueError as exc:
-        return f"the request body is not valid JSON: {exc}"
+        return f"the request body is not valid JSON: {exc}", None, False
     if not isinstance(obj, dict):
-        return f"the request body must be a JSON object, not {type(obj).__name__}"
+        return f"the request body must be a JSON object, not {type(obj).__name__}", None, False
     for key in ("n", "best_of"):  # llama-cpp-python answers one choice whatever they ask
         if isinstance(obj.get(key), int) and not isinstance(obj[key], bool) and obj[key] > 1:
-            return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)"
-    return None
+            return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)", obj, False
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1:  # llama-cpp-python asserts one
+        return f"prompt: one prompt per request (got a list of {len(prompt)})", obj, False
+    changed = False
+    for i, m in enumerate(obj.get("messages") if isinstance(obj.get("messages"), list) else []):
+        content = m.get("content", "") if isinstance(m, dict) else ""
+        if content is None and not (m.get("tool_calls") or m.get("function_call")):
+            return f"messages[{i}].content is null: give the message's text", obj, False
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"}) or ["not a part"]
+                return f"messages[{i}].content: this server takes text parts only (got {', '.join(kinds)})", obj, False
+            m["content"] = "\n".join(texts)
+            changed = True
+    bias = obj.get("logit_bias")
+    if isinstance(bias, dict) and obj.get("logit_bias_type") != "tokens":
+        n_vocab = VOCAB_SIZE()
+        for key in bias:
+            ok = isinstance(key, str) and key.strip().isdigit() and (n_vocab is None or int(key) < n_vocab)
+            if not ok:
+                return (f"logit_bias: {key!r} is not a token id of this model (0 to "
+                        f"{n_vocab - 1 if n_vocab else 'its vocabulary size - 1'})"), obj, False
+    return None, obj, changed
 
 
 class JSONBodyGuard:
@@ -65,22 +99,27 @@ class JSONBodyGuard:
             await self.app(scope, receive, send)
             return
         chunks = []
+        size, cap = 0, MAX_BODY()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
             chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if cap is not None and size > cap:  # no prompt that long fits the context: not read nor tokenized
+                await self._error(send, 413, f"the request body is larger than this server takes ({cap} bytes, "
+                                             "from its context size)")
+                return
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = body_problem(body)
+        problem, obj, changed = parse_body(body)
         if problem is not None:
-            payload = json.dumps({"error": error_body(problem)}).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(payload)).encode())]})
-            await send({"type": "http.response.body", "body": payload})
+            await self._error(send, 400, problem)
             return
+        if changed:
+            body = json.dumps(obj).encode()
+        REQUEST_BODY.set(obj)
         replayed = False
 
         async def replay() -> Dict[str, Any]:
@@ -91,6 +130,13 @@ class JSONBodyGuard:
             return await receive()  # then the client's disconnect, which a stream watches for
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _error(send: Callable[[Dict[str, Any]], Awaitable[None]], status: int, message: str) -> None:
+        payload = json.dumps({"error": error_body(message)}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
 
 
 def validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]]:
@@ -121,6 +167,8 @@ def install_error_mapping() -> None:
             return 400, error_body(message, param=param)
         if _maps_to_400(self, error):
             return 400, error_body(str(error))
+        if "embedding=True" in str(error):  # llama-cpp-python's RuntimeError for a model loaded without embeddings
+            return 400, error_body("this server computes no embeddings: start it with --embedding true")
         return original(self, error, body)
 
     error_message_wrapper._pykvcache = True  # type: ignore[attr-defined]

@@ -148,6 +148,62 @@ def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body
     assert status == 200 and res["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("body, path, status, says", [
+    ({"messages": [{"role": "user", "content": None}]}, "/v1/chat/completions", 400, "messages[0].content is null"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "/v1/chat/completions", 400, "text parts only (got image_url)"),
+    ({"prompt": ["a", "b"], "max_tokens": 2}, "/v1/completions", 400, "one prompt per request"),
+    ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"99999999": 5}}, "/v1/completions", 400, "not a token id"),
+    ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"-1": 5}}, "/v1/completions", 400, "not a token id"),
+    ({"input": "Hi"}, "/v1/embeddings", 400, "start it with --embedding"),
+    ({"prompt": "word " * (1 << 20), "max_tokens": 2}, "/v1/completions", 413, "larger than this server takes"),
+])
+def test_more_bad_requests_get_an_error_object(server, body, path, status, says):
+    """Found by an audit: these were 500s (a null or non-text chat content, a list of prompts, embeddings from a
+    server without them), or silently dropped or misapplied (a logit_bias id outside the vocabulary; -1 biased the
+    last token), or read and tokenized whatever their size."""
+    got, res = post(server, json.dumps(body).encode(), path)
+    assert got == status and says in res["error"]["message"], res
+    got, res = post(server, json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode())
+    assert got == 200 and res["choices"][0]["text"]
+
+
+def test_chat_content_as_text_parts_is_its_text(server):
+    """OpenAI's other form of a message's content, a list of text parts (a 500 before), answers as the text."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    answers = []
+    for m in (msgs, parts):
+        got, res = post(server, json.dumps({"messages": m, "max_tokens": 6, "temperature": 0}).encode(),
+                        "/v1/chat/completions")
+        assert got == 200
+        answers.append(res["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
+
+
+def test_a_request_takes_the_sequence_of_its_conversation():
+    """--n_parallel: a chat's next turn goes to the free sequence holding its conversation, a new one to the sequence
+    free the longest (it took the one freed last, so two chats in turn evicted each other and re-read every turn)."""
+    import anyio
+
+    from pykvcache.server import ViewPool, request_text
+
+    pool, views, model = ViewPool(3), [object(), object(), object()], object()
+    pool.llama, pool.views, pool.free = model, views, list(views)
+
+    async def turns():
+        taken = []
+        for msgs in (["hello"], ["other"], ["hello", "hi", "more"], ["other", "yes", "and"], ["new"]):
+            body = {"messages": [{"role": "user", "content": c} for c in msgs]}
+            p = await pool.take(lambda _: model, request_text(body))
+            taken.append(p.view)
+            pool.give(p.view)
+        return taken
+
+    a, b, a2, b2, c = anyio.run(turns)
+    assert a is views[0] and b is views[1] and a2 is a and b2 is b and c is views[2]
+
+
 def test_detokenize_outside_the_vocabulary_is_an_error(server):
     status, res = post(server, json.dumps({"tokens": [99999999]}).encode(), "/extras/detokenize")
     assert status == 400 and "outside the vocabulary" in res["error"]["message"]
@@ -175,6 +231,17 @@ def test_bad_policy_stops_the_server_with_one_line(tmp_path):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown key 'budgt'" in lines[0] and "budget" in lines[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--port", "99999"], "port 99999: give 0 to 65535"),
+    (["--ssl_keyfile", "/no/key.pem", "--ssl_certfile", "/no/cert.pem"], "--ssl_keyfile /no/key.pem: no such file"),
+])
+def test_bad_server_flags_stop_it_with_one_line(args, says):
+    """uvicorn's tracebacks before (an OverflowError for the port, a FileNotFoundError for the certificates)."""
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", *args], cwd="/", capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"pykvcache serve: error: {says}"]
 
 
 def test_config_file_sets_a_policy_per_model(tmp_path, model_path):
