@@ -176,3 +176,15 @@ def test_sparse_prefill_says_what_runs_it_dense(model_path):
 def test_a_summarise_bin_larger_than_the_context_is_refused(model_path):
     with pytest.raises(PolicyError, match=r"bin=100000000 never fills in this context \(n_ctx=512\)"):
         Llama(model_path, n_ctx=512, verbose=False, kv_policy="snapkv:budget=40+summarise:bin=100000000,rank=4")
+
+
+@pytest.mark.parametrize("policy", [None, "snapkv:budget=64"])
+def test_a_context_size_llama_cpp_pads_takes_prompts_up_to_its_real_size(model_path, policy):
+    """llama.cpp pads n_ctx to a multiple of 256, and llama-cpp-python checks prompts against that but sized its
+    buffers by the n_ctx asked for: 150 tokens in n_ctx=100 failed with numpy's "could not broadcast"."""
+    llm = Llama(model_path, n_ctx=100, verbose=False, kv_policy=policy)
+    assert llm.n_ctx() == 256 and llm.input_ids.shape == (256,)
+    out = llm.create_completion(" ".join(["word"] * 150), max_tokens=4, temperature=0)
+    assert out["usage"]["prompt_tokens"] > 100 and out["choices"][0]["text"]
+    with pytest.raises(ValueError, match="exceed context window of 256"):
+        llm.create_completion(" ".join(["word"] * 300), max_tokens=4)
