@@ -74,8 +74,9 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
     batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
     try:
         cur = {}
-        if pol is not None and (pol.guides or pol.summarises or pol.sparse or llm._latent_at_end):
-            # what eval() does to a prompt (guided chunks, the prompt's end, a latent re-rank), sequence by sequence
+        if pol is not None and (pol.retains or pol.sparse):
+            # what eval() does to a prompt (its chunks evicted as they come, guided, the prompt's end, a latent
+            # re-rank), sequence by sequence: interleaved, a batch's chunks mix the prompts
             for s, p in enumerate(prompts):
                 cur[s] = _prefill_one(llm, batch, s, p)
         else:

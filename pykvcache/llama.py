@@ -260,6 +260,11 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         self._check_open()
+        if self.n_tokens + len(tokens) > self._n_ctx:
+            # a retention policy's cache has room for more, but not the context's positions (nor llama-cpp-python's
+            # token record, which a write past it silently cut): the full cache fails here too (llama_decode 1)
+            raise RuntimeError(f"the context's n_ctx={self._n_ctx} positions are used ({self.n_tokens} held, "
+                               f"{len(tokens)} more asked): a longer generation needs a larger n_ctx")
         pol = self._kv_policy
         n_in = len(tokens)
         if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:

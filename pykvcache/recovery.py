@@ -59,6 +59,8 @@ class Ladder:
         n_rewalk = 0
         try:
             while True:
+                if held and llm.n_tokens >= llm._n_ctx:
+                    break  # every position of the context is used: what is held is final (not generated again)
                 try:
                     tok = next(inner)
                 except StopIteration:
@@ -73,6 +75,9 @@ class Ladder:
                     del held[-n_back:]
                     prefix = list(llm._input_ids[:p0])
                     llm.n_tokens = p0
+                    # the prefix's last token evaluated again: llama-cpp-python would take the whole prefix as cached
+                    # and sample from the logits before the roll-back (the held tokens then vanished from the text)
+                    llm._requires_eval = True
                     again = dict(kwargs, reset=True)
                     inner = llama_cpp.Llama.generate(llm, prefix, *args, **again)
                     continue

@@ -46,6 +46,7 @@ def row_bytes(llm):
     ("h2o:budget=200+host:limit=50", "limit (50) must be 0 (the context size) or at least the budget"),
     ("sink_recent+freeze+host", "needs a score stage that observes"),
     ("freeze:budget=0.1", "unknown key 'budget'"),
+    ("freeze:z=0.3,rewalk=65", "rewalk must be in .0, 64. and span >= 1 .got rewalk=65"),
 ])
 def test_bad_specs(spec, msg):
     with pytest.raises(PolicyError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -262,6 +263,49 @@ def test_recovery_ladder_climbs_acts_and_streams_the_same_text(model_path):
         assert h.n_recover[3] > 0 and h.n_thaw > 0
         assert len(llm.tokenize(texts[-1].encode(), add_bos=False)) >= 90  # max_tokens honoured, nothing lost
     assert texts[0] == texts[1]
+
+
+def test_a_rewalk_generates_again_from_the_prefix_it_rolled_back_to(model_path, monkeypatch):
+    """After a roll-back the prefix's last token is evaluated again before the first token is sampled: llama-cpp-python
+    took the prefix as cached and sampled from the logits of before the roll-back, so the rolled-back tokens vanished
+    from the text ("don't like." became "don."; found by an audit)."""
+    import llama_cpp
+
+    import pykvcache.recovery as recovery
+
+    llm = make(model_path, LADDER)
+    evals, restarts = [], []
+    eval_orig, generate_orig = llm.eval, recovery.llama_cpp.Llama.generate
+
+    def eval_logged(tokens):
+        evals.append((llm.n_tokens, len(tokens)))
+        return eval_orig(tokens)
+
+    def generate_logged(self, tokens, *args, **kwargs):
+        restarts.append((len(tokens), len(evals)))
+        return generate_orig(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "eval", eval_logged)
+    monkeypatch.setattr(recovery.llama_cpp.Llama, "generate", generate_logged)
+    llm.create_completion(PROMPT + "\n\nOnce upon a time,", max_tokens=96, temperature=0.0)
+    rewalks = restarts[1:]  # the first is the prompt's
+    assert len(rewalks) == llm.kv_host().n_recover[3] > 0
+    for p0, i in rewalks:
+        assert evals[i] == (p0 - 1, 1)  # the prefix's last token, again, before anything is sampled
+    assert llama_cpp  # the module patched is llama-cpp-python's
+
+
+def test_a_ladder_stops_at_the_context_end(model_path):
+    """Held tokens are generated past max_tokens; at n_ctx the held ones are final (it ran on past n_ctx)."""
+    llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy="freeze:tau=2,k=1,every=1,z=0.3,rewalk=64,span=4")
+    prompt = llm.tokenize(b"Once upon a time, in a land far away,")
+    out = llm.create_completion(prompt, max_tokens=256 - len(prompt), temperature=0.0)
+    assert llm.n_tokens <= 256 and out["usage"]["completion_tokens"] <= 256 - len(prompt)
+    # a retention policy's cache has room past n_ctx, the context's positions not (the token record was cut silently)
+    plain = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")
+    plain.eval(list(range(1000, 1200)))
+    with pytest.raises(RuntimeError, match="n_ctx=256 positions are used"):
+        plain.eval(list(range(2000, 2100)))
 
 
 def test_kvbench_counts_the_ladder(model_path):

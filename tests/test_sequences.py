@@ -53,7 +53,7 @@ def test_batched_sequences_generate_what_single_contexts_do(model_path, spec):
 
 
 @pytest.mark.parametrize("spec", ["snapkv:budget=0.25", "snapkv:budget=0.2+summarise:bin=32,rank=4",
-                                  "snapkv:budget=0.25+host+latent"])
+                                  "snapkv:budget=0.25+host+latent", "freeze", "h2o:budget=0.1+host+freeze"])
 def test_batched_sequences_generate_what_generate_does(model_path, spec):
     """A prompt's own treatment in eval() (question-guided chunks, its end settled for summarise, the latent re-rank
     at its end) applies in a batch too: the batch's prefill skipped it, so SnapKV's text differed from generate()."""
@@ -70,6 +70,22 @@ def test_batched_sequences_generate_what_generate_does(model_path, spec):
         single.close()
         assert got == ref
     llm.close()
+
+
+def test_prompts_longer_than_a_batch_together_generate_what_single_contexts_do(model_path):
+    """300 + 250 prompt tokens, more than n_batch (512): interleaved, one batch held the first prompt and the start of
+    the second, so the freeze schedule saw the second's chunks differently (found by an audit)."""
+    from pykvcache.corpus import essays
+
+    llm = Llama(model_path, n_ctx=2048, n_seq_max=2, verbose=False, kv_policy="freeze")
+    t = llm.tokenize(" ".join(essays()[:2]).encode())
+    prompts = [t[:300], t[300:550]]
+    out = llm.generate_batch(prompts, 40)
+    llm.close()
+    for p, got in zip(prompts, out):
+        single = Llama(model_path, n_ctx=1024, verbose=False, kv_policy="freeze")
+        assert single.generate_batch([p], 40)[0] == got
+        single.close()
 
 
 def test_each_sequence_resolves_its_own_budget(model_path):

@@ -92,6 +92,7 @@ struct llama_kvp_ladder_state : llama_kvp_layer_state {
 
 static constexpr int32_t LLAMA_KVP_LADDER_WARMUP = 8;
 static constexpr double  LLAMA_KVP_LADDER_ALPHA  = 1.0/16.0;
+static constexpr int32_t LLAMA_KVP_REWALK_MAX    = 64; // tokens a Rewalk rolls back at most
 
 static llama_kvp_ladder_state & llama_kvp_ladder_of(llama_kvp_memory & mem) {
     if (!mem.sched_state) {
@@ -134,8 +135,10 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             snprintf(buf, sizeof(buf), "z must be >= 0 (got %g; 0 turns the recovery ladder off)", (double) p.z);
             return buf;
         }
-        if (p.rewalk < 0 || p.span < 1) {
-            snprintf(buf, sizeof(buf), "rewalk must be >= 0 and span >= 1 (got rewalk=%d, span=%d)", p.rewalk, p.span);
+        if (p.rewalk < 0 || p.rewalk > LLAMA_KVP_REWALK_MAX || p.span < 1) {
+            // the stream runs `rewalk` tokens behind the model, and a call generates that many past its max_tokens
+            snprintf(buf, sizeof(buf), "rewalk must be in [0, %d] and span >= 1 (got rewalk=%d, span=%d)",
+                    LLAMA_KVP_REWALK_MAX, p.rewalk, p.span);
             return buf;
         }
         if (p.every < 1) {
