@@ -348,6 +348,12 @@ class Llama(llama_cpp.Llama):
         if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
                 and self.n_tokens > 0):
             self._kv_reuse_prefix(list(tokens))
+        elif (pol is not None and pol.sparse and kwargs.get("reset", True) and self.n_tokens > 0
+              and not (self.n_tokens == len(tokens) and list(self._input_ids) == list(tokens) and not self._requires_eval)):
+            # sparse prefill on llama.cpp's own cache: which cached part a fresh evaluation of this prompt would give
+            # is not tracked (its segments and budgets follow the whole prompt), so the prompt is evaluated afresh;
+            # llama-cpp-python's prefix reuse gave other text than a fresh Llama, even for a repeated prompt
+            self.n_tokens = 0
         ladder = ladder_of(self)
         owner = object()
         self._gen_owner, self._gen_evals = owner, 0

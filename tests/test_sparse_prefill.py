@@ -162,3 +162,20 @@ def test_full_cache_plus_sparse_in_python():
     pol = FullCache() + SparsePrefill(base=512)
     assert pol.spec().startswith("none+sparse:") and "base=512" in pol.spec()
     assert pol.sparse
+
+
+def test_a_new_call_gives_what_a_fresh_llama_does(model_path):
+    """Sparse prefill on llama.cpp's own cache: llama-cpp-python's prefix reuse gave other text than a fresh Llama for
+    a repeated prompt and for a chat's next turn (found by an audit); the prompt is now evaluated afresh."""
+    spec = "none+sparse:threshold=64,base=64"
+    llm = Llama(model_path, kv_policy=spec, n_ctx=1024, verbose=False)
+    p1 = llm.detokenize(llm.tokenize(essays()[1].encode())[:300]).decode(errors="ignore")
+    p1 += "\nQuestion: what is this about?\nAnswer:"
+    first = llm(p1, max_tokens=16, temperature=0)["choices"][0]["text"]
+    again = llm(p1, max_tokens=16, temperature=0)["choices"][0]["text"]
+    p2 = p1 + first + "\nQuestion: and then?\nAnswer:"
+    turn = llm(p2, max_tokens=16, temperature=0)["choices"][0]["text"]
+    for prompt, got in ((p1, first), (p1, again), (p2, turn)):
+        fresh = Llama(model_path, kv_policy=spec, n_ctx=1024, verbose=False)
+        assert fresh(prompt, max_tokens=16, temperature=0)["choices"][0]["text"] == got
+        fresh.close()
