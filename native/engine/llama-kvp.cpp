@@ -333,13 +333,21 @@ int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_
     return res;
 }
 
-int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos) {
+// the policy state of a context (an error naming `what` and nullptr for a context without a KV policy)
+static llama_kvp_context * llama_kvp_policy_state(struct llama_context * ctx, const char * what) {
     if (!llama_kvp_check_ctx(ctx)) {
-        return -1;
+        return nullptr;
     }
     llama_kvp_context * st = ctx->get_kvp();
     if (!st) {
-        llama_kvp_set_error("set_prompt_end: the context has no KV policy");
+        llama_kvp_set_error(std::string(what) + ": the context has no KV policy");
+    }
+    return st;
+}
+
+int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos) {
+    llama_kvp_context * st = llama_kvp_policy_state(ctx, "set_prompt_end");
+    if (!st) {
         return -1;
     }
     st->prompt_end = pos < 0 ? -1 : pos;
@@ -358,12 +366,8 @@ int32_t llama_kvp_reset_peak(struct llama_context * ctx) {
 }
 
 int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out) {
-    if (!llama_kvp_check_ctx(ctx) || !out) {
-        return -1;
-    }
-    const llama_kvp_context * st = ctx->get_kvp();
+    const llama_kvp_context * st = out ? llama_kvp_policy_state(ctx, "perf") : nullptr;
     if (!st) {
-        llama_kvp_set_error("perf: the context has no KV policy");
         return -1;
     }
     *out = st->perf;
@@ -371,12 +375,8 @@ int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * 
 }
 
 int32_t llama_kvp_perf_reset(struct llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return -1;
-    }
-    llama_kvp_context * st = ctx->get_kvp();
+    llama_kvp_context * st = llama_kvp_policy_state(ctx, "perf_reset");
     if (!st) {
-        llama_kvp_set_error("perf_reset: the context has no KV policy");
         return -1;
     }
     st->perf = {};
