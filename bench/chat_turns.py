@@ -16,6 +16,8 @@ import time
 
 import pykvcache  # noqa: F401  (before llama_cpp)
 from pykvcache import Llama
+from pykvcache.checks import MAX_THREADS
+from pykvcache.policies import PolicyError, parse_policy
 
 from make_results import machine
 
@@ -50,9 +52,17 @@ def main(argv=None) -> int:
     ap.add_argument("-b", "--budget", type=int, default=128, help="tokens per layer of the policies (default 128)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="threads (default: all)")
     args = ap.parse_args(argv)
+    if args.turns < 2:
+        ap.error(f"-n: the conversation has at least 2 turns, the fact and the question (got {args.turns})")
+    if not 1 <= args.threads <= MAX_THREADS:
+        ap.error(f"-t must be 1 to {MAX_THREADS} (got {args.threads})")
     b = args.budget
     configs = [(None, "exact")]
     for pol in (f"sink_recent:n_sink=4,n_recent={b - 4}", f"snapkv:budget={b}", f"entropy:budget={b}"):
+        try:
+            parse_policy(pol)
+        except PolicyError as exc:
+            ap.error(f"-b {b}: {exc}")
         configs += [(pol, "exact"), (pol, "continue")]
     print(f"machine: {machine()}; {args.turns} turns, {args.threads} threads\n")
     print("| policy | kv_reuse | seconds | x full | tokens | peak KV MiB | last answer |")

@@ -20,6 +20,8 @@ import numpy as np
 
 import pykvcache
 from pykvcache import Llama, corpus
+from pykvcache.checks import MAX_THREADS
+from pykvcache.policies import PolicyError, parse_policy
 
 import llama_cpp  # noqa: E402  (after pykvcache, which points it at the patched libllama)
 
@@ -45,11 +47,26 @@ def main() -> None:
     ap.add_argument("-p", "--n-prompt", type=int, default=8192, help="prompt tokens of each policy (default: 8192)")
     ap.add_argument("-n", "--n-gen", type=int, default=256, help="decode steps, interleaved (default: 256)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default: 2)")
-    ap.add_argument("--policies", default="sink_recent:n_sink=4,n_recent=815;snapkv:budget=0.1;h2o:budget=0.1;"
-                    "pyramid:budget=0.1;entropy:budget=0.1", help="semicolon-separated policy specs")
+    ap.add_argument("--policies", default=None,
+                    help="semicolon-separated policy specs (default: sink_recent with 10%% of -p, and snapkv, h2o, "
+                         "pyramid and entropy at budget=0.1)")
     args = ap.parse_args()
-    model = args.model or pykvcache.default_model_path()
+    if args.n_prompt < 1 or args.n_gen < 1:
+        ap.error(f"-p and -n must be >= 1 (got {args.n_prompt}, {args.n_gen})")
+    if not 1 <= args.threads <= MAX_THREADS:
+        ap.error(f"-t must be 1 to {MAX_THREADS} (got {args.threads})")
+    if args.policies is None:  # sink_recent at the others' 10%: its 4 sinks and the rest recent
+        args.policies = (f"sink_recent:n_sink=4,n_recent={max(round(0.1 * args.n_prompt) - 4, 1)};snapkv:budget=0.1;"
+                         "h2o:budget=0.1;pyramid:budget=0.1;entropy:budget=0.1")
     specs = [s.strip() for s in args.policies.split(";") if s.strip()]
+    if not specs:
+        ap.error("--policies: no policy given")
+    for spec in specs:
+        try:
+            parse_policy(spec)
+        except PolicyError as exc:
+            ap.error(f"--policies {spec}: {exc}")
+    model = args.model or pykvcache.default_model_path()
     n_ctx = args.n_prompt + args.n_gen + 256
 
     def make(spec):
@@ -67,6 +84,9 @@ def main() -> None:
         print(f"decode_limit: prefill {spec} ({args.n_prompt} tokens)", flush=True)
         llm.eval(tokens[: args.n_prompt])
         b = llm.kv_memory().budget
+        if not b:  # a policy without a budget (the full cache, the freeze): no depth to compare with
+            ctxs.append((spec, llm, args.n_prompt, None))
+            continue
         if b not in limits:
             lim = make(None)
             lim.eval(tokens[:b])
@@ -94,8 +114,10 @@ def main() -> None:
         if lim_label is not None:
             tl = times[by_label[lim_label]]
             ratio = f"{tl.mean() / t.mean():.3f} | {np.median(tl) / np.median(t):.3f}"
-        else:
+        elif label.startswith("limit:"):
             ratio = "1.000 | 1.000"
+        else:
+            ratio = "- | -"
         print(f"| {label} | {1e3 * t.mean():.2f} | {1e3 * np.median(t):.2f} | {1 / t.mean():.1f} | {ratio} |")
 
 

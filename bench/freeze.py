@@ -31,8 +31,11 @@ import numpy as np
 
 from pykvcache import Llama
 from pykvcache._native import native
+from pykvcache.checks import MAX_THREADS
+from pykvcache.cli import check_output_path
 from pykvcache.corpus import essays
 from pykvcache.evaluate import log_softmax, needle_cases, needle_text
+from pykvcache.policies import PolicyError, parse_policy
 from pykvcache.recovery import ladder_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -309,6 +312,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     import os
     threads = args.threads or os.cpu_count() or 2
+    if args.n_gen < 1 or args.reps < 1 or args.long < 0 or args.long_every < 1:
+        ap.error("-n, -r and --long-every must be >= 1, --long >= 0")
+    if not 1 <= threads <= MAX_THREADS:
+        ap.error(f"-t must be 1 to {MAX_THREADS} (got {threads})")
+    try:  # before the runs, which take minutes
+        check_output_path(args.output, "-o/--output")
+        check_output_path(args.plot, "--plot", (".png",))
+        for spec in (args.policy or []) + [args.long_policy] + [
+                pol + more for pol in args.turn_policies.split(",") for more in ("", "+host+latent:gap=0")]:
+            parse_policy(spec)
+        for x in [args.needle_lengths, args.turn_lengths]:
+            if any(int(n) < 128 for n in x.split(",") if n.strip()):
+                raise ValueError(f"needle and turn lengths must be >= 128 tokens (got {x})")
+        if any(not 0.0 <= float(d) <= 1.0 for d in args.depths.split(",")):
+            raise ValueError(f"--depths are in [0, 1] (got {args.depths})")
+    except (ValueError, PolicyError) as exc:
+        ap.error(str(exc))
 
     res: Dict[str, Any] = {"command": "python bench/freeze.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
                            "cpu": cpu_name(), "threads": threads, "n_gen": args.n_gen, "open": [], "passkey": []}

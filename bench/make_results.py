@@ -384,6 +384,9 @@ Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.js
 - **Needles:** "The special magic number for CITY is NNNN." at depths {', '.join(f'{d:g}' for d in cfg['depths'])}
   of {', '.join(str(n) for n in cfg['needle_lengths'])}-token haystacks, then the question; hit if the greedy
   answer contains the number. The full cache's own score is beside each row.
+- **KV bytes, peak (x full):** the policy's KV buffers (ggml's, per layer) at their peak over the KL run, against
+  the full cache's for that run (its text and greedy continuation); a layer's buffer holds its budget and the room
+  of a prompt chunk and the window, so it is above the budget's share.
 {note_of(ev)}
 {eval_md}
 

@@ -18,6 +18,8 @@ import time
 
 import pykvcache  # before llama_cpp
 from pykvcache import Llama, corpus
+from pykvcache.checks import MAX_THREADS
+from pykvcache.policies import PolicyError, parse_policy
 
 from make_results import machine
 
@@ -43,7 +45,7 @@ def run(policy, tokens_a, tokens_b, n_ctx, n_gen, threads):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-p", "--n-prompt", type=int, default=2048, help="tokens of the first prompt (default 2048)")
     ap.add_argument("-e", "--n-extend", type=int, default=128, help="tokens the second prompt adds (default 128)")
     ap.add_argument("-n", "--n-gen", type=int, default=8, help="tokens generated per call (default 8)")
@@ -51,6 +53,18 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="threads (default: all)")
     ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
     args = ap.parse_args(argv)
+    if args.n_prompt < 1 or args.n_extend < 0 or args.n_gen < 1:
+        ap.error(f"-p and -n must be >= 1 and -e >= 0 (got {args.n_prompt}, {args.n_gen}, {args.n_extend})")
+    if not 1 <= args.threads <= MAX_THREADS:
+        ap.error(f"-t must be 1 to {MAX_THREADS} (got {args.threads})")
+    b = args.budget
+    policies = ["none", f"sink_recent:n_sink=4,n_recent={max(8, round(b * args.n_prompt) - 4)}", f"snapkv:budget={b:g}",
+                f"h2o:budget={b:g}", f"pyramid:budget={b:g}", f"entropy:budget={b:g}"]
+    for pol in policies:
+        try:
+            parse_policy(pol)
+        except PolicyError as exc:
+            ap.error(f"-b {b:g}: {exc}")
 
     text = corpus.essays()
     probe = Llama(n_ctx=64, verbose=False, vocab_only=True)
@@ -61,9 +75,6 @@ def main(argv=None) -> int:
     tokens_b = toks[: args.n_prompt + args.n_extend]
     n_ctx = args.n_prompt + args.n_extend + 2 * args.n_gen + 64
 
-    b = args.budget
-    policies = ["none", f"sink_recent:n_sink=4,n_recent={max(8, round(b * args.n_prompt) - 4)}", f"snapkv:budget={b}",
-                f"h2o:budget={b}", f"pyramid:budget={b}", f"entropy:budget={b}"]
     rows = []
     for pol in policies:
         print(f"prefix_reuse: {pol} ...", file=sys.stderr, flush=True)

@@ -20,8 +20,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from pykvcache import Llama
+from pykvcache.checks import MAX_THREADS
+from pykvcache.cli import check_output_path
 from pykvcache.corpus import essays
 from pykvcache.evaluate import compare_logprobs, log_softmax, needle_cases
+from pykvcache.policies import PolicyError, parse_policy
 
 N_FOLLOW = 32  # tokens teacher-forced after the prompt (decoded dense: only the prefill differs)
 
@@ -107,6 +110,23 @@ def main() -> None:
     args = ap.parse_args()
 
     specs = [s for s in args.policies.split("|") if s]
+    try:  # before the runs, which take minutes
+        check_output_path(args.output, "-o/--output")
+        if not specs:
+            raise ValueError("--policies: no policy given")
+        for spec in specs:
+            if not parse_policy(spec).sparse:
+                raise ValueError(f"--policies {spec}: no sparse prefill stage (add +sparse)")
+        if any(int(x) < 1 for x in args.lengths.split(",") if x):
+            raise ValueError(f"--lengths must be >= 1 (got {args.lengths})")
+        if any(int(x) < 128 for x in args.needle_lengths.split(",") if x):
+            raise ValueError(f"--needle-lengths must be >= 128 tokens (got {args.needle_lengths})")
+        if any(not 0.0 <= float(x) <= 1.0 for x in args.depths.split(",") if x):
+            raise ValueError(f"--depths are in [0, 1] (got {args.depths})")
+        if not 1 <= args.threads <= MAX_THREADS:
+            raise ValueError(f"-t must be 1 to {MAX_THREADS} (got {args.threads})")
+    except (ValueError, PolicyError) as exc:
+        ap.error(str(exc))
     text = " ".join(essays())
     tok = make(None, 256, args.threads)
     all_tokens = tok.tokenize(text.encode())

@@ -26,8 +26,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pykvcache.cli import check_output_path
 from pykvcache.evaluate import (EvalConfig, Runner, compare_logprobs, eval_texts, needle_cases, needle_hits,
-                                policy_spec, stream_logprobs)
+                                policy_spec, split_policies, stream_logprobs)
+from pykvcache.policies import PolicyError, parse_policy
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from sparse_prefill import cpu_name  # noqa: E402
@@ -112,10 +114,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("--n-gen must be >= 1")
     if not 1 <= a.attn_queries <= a.stream:
         ap.error("--attn-queries must be in [1, --stream]")
-    # the context holds the streamed text and the greedy tokens timed after it
-    cfg = EvalConfig(kl_tokens=a.kl_tokens, stream=a.stream, needle_lengths=[int(x) for x in a.needle_lengths.split(",")],
-                     threads=a.threads, text_file=a.file, n_agree=max(EvalConfig.n_agree, a.n_gen))
-    cfg.validate()
+    try:  # every setting before the runs, which take minutes: the policies with their fate stage at every budget too
+        check_output_path(a.output, "-o/--output")
+        # the context holds the streamed text and the greedy tokens timed after it
+        cfg = EvalConfig(policies=split_policies(a.policies), budgets=[float(x) for x in a.budgets.split(",")],
+                         kl_tokens=a.kl_tokens, stream=a.stream,
+                         needle_lengths=[int(x) for x in a.needle_lengths.split(",")],
+                         threads=a.threads, text_file=a.file, n_agree=max(EvalConfig.n_agree, a.n_gen))
+        cfg.validate()
+        for name in cfg.policies:
+            for frac in cfg.budgets:
+                parse_policy(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise)
+    except (ValueError, PolicyError) as exc:
+        ap.error(str(exc))
     full = Runner(None, cfg)
     tokens, hay = eval_texts(cfg, full.llm)
     cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay, n, cfg.depths, cfg.seed)]
@@ -131,8 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"full: {full_ms:.1f} ms/token, needles {sum(full_hits)}/{len(full_hits)}", file=sys.stderr, flush=True)
 
     n_prefix = cfg.kl_tokens - cfg.stream
-    for frac in [float(x) for x in a.budgets.split(",")]:
-        for name in a.policies.split(","):
+    for frac in cfg.budgets:
+        for name in cfg.policies:
             b = int(round(frac * n_prefix))
             needles = abs(frac - a.needle_budget) < 1e-9
 

@@ -126,10 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache type of K of every row but the reference, the f16 full cache (default: f16); adds a "
                         "row for the full cache on the chosen types")
     e.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16",
-                   help="KV cache type of V, likewise (default: f16; a quantized type runs with flash attention)")
+                   help="KV cache type of V, likewise (default: f16); with either one not f16 every row runs with flash "
+                        "attention (a quantized V needs it), the reference too, so a row's KL is its types and policy alone")
     e.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
     e.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default: 2)")
-    e.add_argument("-o", "--output", default="kv_eval", help="output folder (default: kv_eval)")
+    e.add_argument("-s", "--seed", type=int, default=1234,
+                   help="seed of the needles' values and cities (default: 1234, the figures of docs/RESULTS.md)")
+    e.add_argument("-o", "--output", default="kv_eval", help="output folder, made if its parent exists (default: kv_eval)")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -382,13 +385,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.stream = args.stream
     cfg.threads, cfg.model_path, cfg.prefill, cfg.text_file = args.threads, args.model, args.prefill, args.file
     cfg.corpus, cfg.needles = args.corpus, args.needles
-    cfg.type_k, cfg.type_v = args.cache_type_k, args.cache_type_v
+    cfg.type_k, cfg.type_v, cfg.seed = args.cache_type_k, args.cache_type_v, args.seed
     cfg.validate()
     out = Path(args.output)
-    try:  # before the evaluation, which takes minutes
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"-o/--output {out}: {exc.strerror or exc}") from None
+    # before the evaluation, which takes minutes: the folder is made when its results are written
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"-o/--output {out}: not a folder")
+    if not out.exists() and not out.absolute().parent.is_dir():
+        raise ValueError(f"-o/--output {out}: its folder {out.absolute().parent} does not exist")
+    if not os.access(out if out.exists() else out.absolute().parent, os.W_OK):
+        raise ValueError(f"-o/--output {out}: not writable")
     results = evaluate(cfg, quiet=args.quiet)
     results["command"] = " ".join(["pykvcache"] + [shlex.quote(a) for a in getattr(args, "argv", [])])
     paths = write_outputs(results, out)
@@ -403,6 +409,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         rc = _main(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # here, where a closed pipe can still be caught
         return rc
+    except KeyboardInterrupt:  # Ctrl-C: one line, as llama.cpp's tools end, not a traceback
+        print("pykvcache: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # the reader of stdout went away (`pykvcache ... | head`): end quietly, as a shell tool does, with nothing left
         # for the interpreter to flush into the closed pipe at exit

@@ -15,8 +15,12 @@ import numpy as np
 
 from . import corpus
 from .cache_types import CACHE_TYPES
+from ._native import import_llama_cpp
+from .checks import MAX_THREADS
 from .llama import Llama
 from .policies import PolicyError, parse_policy
+
+llama_cpp = import_llama_cpp()
 
 POLICIES = ("sink_recent", "snapkv", "h2o", "pyramid", "entropy")
 CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hobart", "Windhoek", "Reykjavik")
@@ -78,7 +82,8 @@ class EvalConfig:
     corpus: str = "essays"       # the registry corpus when there is no text_file (pykvcache.corpus.CORPORA)
     needles: str = "classic"     # classic: "special magic number" with 4 digits; varied: NEEDLE_SETS's other wordings
     prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
-    type_k: str = "f16"          # KV cache types of every row but the reference, which is the f16 full cache (-ctk / -ctv)
+    type_k: str = "f16"          # KV cache types of every row but the reference, the f16 full cache (-ctk / -ctv); then
+    #                              every row runs flash attention, as a quantized V cache needs, the reference too
     type_v: str = "f16"
 
     @classmethod
@@ -128,8 +133,8 @@ class EvalConfig:
                     except PolicyError as exc:
                         raise EvalError(f"policy '{p}' at budget {b} of a {n}-token prompt "
                                         f"({int(round(b * n))} tokens): {exc}") from exc
-        if self.threads < 1:
-            raise EvalError(f"-t/--threads must be >= 1 (got {self.threads})")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise EvalError(f"-t/--threads must be 1 to {MAX_THREADS} (got {self.threads})")
         for flag, name in (("-ctk", self.type_k), ("-ctv", self.type_v)):
             if name not in CACHE_TYPES:
                 raise EvalError(f"{flag} {name}: not a KV cache type (known: {', '.join(CACHE_TYPES)})")
@@ -150,6 +155,11 @@ class EvalConfig:
             if "+" in self.prefill or stages["prefill"] is None or any(stages[k] for k in stages if k != "prefill"):
                 raise EvalError(f"prefill must be one prefill stage spec, e.g. 'sparse' or 'sparse:base=512' "
                                 f"(got '{self.prefill}')")
+            for p in self.policies:  # a policy with a prefill stage of its own
+                try:
+                    parse_policy(policy_spec(p, 64, self.prefill))
+                except PolicyError as exc:
+                    raise EvalError(f"policy '{p}' with --prefill {self.prefill}: {exc}") from exc
 
     @property
     def typed(self) -> bool:
@@ -158,8 +168,17 @@ class EvalConfig:
 
     @property
     def n_ctx(self) -> int:
-        n = max([self.kl_tokens + self.n_agree] + [n + 16 for n in self.needle_lengths])
-        return (n + 16 + 255) // 256 * 256
+        """The context of the needle runs (the longest needle prompt and its answer), and of either run at most."""
+        return max(self.n_ctx_kl, _ctx_size(max(self.needle_lengths, default=0) + 16))
+
+    @property
+    def n_ctx_kl(self) -> int:
+        """The context of the KL run (its text and the greedy continuation): the full cache's bytes of the table."""
+        return _ctx_size(self.kl_tokens + self.n_agree)
+
+
+def _ctx_size(n_tokens: int) -> int:
+    return (n_tokens + 16 + 255) // 256 * 256
 
 
 def split_policies(text: str) -> List[str]:
@@ -234,17 +253,21 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 class Runner:
     """One context for one policy; teacher-forced logits and greedy decoding on llama-cpp-python's objects."""
 
-    def __init__(self, spec: Optional[str], cfg: EvalConfig, reference: bool = False) -> None:
+    def __init__(self, spec: Optional[str], cfg: EvalConfig, reference: bool = False,
+                 n_ctx: Optional[int] = None) -> None:
         kwargs: Dict[str, Any] = {}
         if cfg.model_path:
             kwargs["model_path"] = cfg.model_path
-        if cfg.prefill:
-            kwargs["flash_attn"] = True  # the reference runs the attention the prefill mode replaces
+        if cfg.prefill or cfg.typed:
+            # the reference runs the attention the rows run: the one a prefill mode replaces, the one a quantized cache
+            # needs (llama.cpp's flash attention), so that a row's difference is its policy and its cache types alone
+            kwargs["flash_attn"] = True
         if not reference and cfg.typed:
-            kwargs.update(type_k=CACHE_TYPES[cfg.type_k], type_v=CACHE_TYPES[cfg.type_v], flash_attn=True)
-        self.llm = Llama(n_ctx=cfg.n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=cfg.threads,
+            kwargs.update(type_k=CACHE_TYPES[cfg.type_k], type_v=CACHE_TYPES[cfg.type_v])
+        self.llm = Llama(n_ctx=n_ctx or cfg.n_ctx, kv_policy=spec, n_batch=512, n_ubatch=512, n_threads=cfg.threads,
                          n_threads_batch=cfg.threads, verbose=False, **kwargs)
         self.n_vocab = self.llm.n_vocab()
+        self.flash_attn = self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
     def reset(self) -> None:
         self.llm.reset()
@@ -330,6 +353,9 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
         needle = llm.tokenize(fact.encode(), add_bos=False)
         question = llm.tokenize(ask.encode(), add_bos=False)
         n_body = n_tokens - 1 - len(needle) - len(question)
+        if n_body < 1:
+            raise EvalError(f"a {n_tokens}-token needle prompt is shorter than its fact and question "
+                            f"({len(needle) + len(question) + 1} tokens with the BOS)")
         if len(hay) < n_body:
             raise EvalError(f"the needle haystack has {len(hay)} tokens, too few for a {n_tokens}-token needle prompt")
         body = hay[:n_body]
@@ -388,24 +414,28 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
                  for c in needle_cases(small, hay_text, n, cfg.depths, cfg.seed, cfg.needles)]
     finally:
         small.close()
-    full = Runner(None, cfg, reference=True)
-
+    # the full cache of the KL run (its bytes are every row's "x full"), then of the needle prompts
+    full = Runner(None, cfg, reference=True, n_ctx=cfg.n_ctx_kl)
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))
     full_bytes: List[int] = []
     ref_greedy = full.greedy(cfg.n_agree, full_bytes)
+    full_mem, full_fa = full.llm.kv_memory(), full.flash_attn
+    full.close()
+    full = Runner(None, cfg, reference=True)
     full_hits = needle_hits(full, cases)
-    full_mem = full.llm.kv_memory()
     full.close()
     base = {"policy": "full", "budget_frac": None, **full_self, "agree": cfg.n_agree, "needle_hits": full_hits,
             "needle_acc": float(np.mean(full_hits)), "bytes": full_mem.bytes, "bytes_peak": full_mem.bytes_peak,
-            "bytes_trace": full_bytes}
+            "bytes_trace": full_bytes, "n_ctx": cfg.n_ctx_kl, "flash_attn": full_fa}
     prog.step(f"full: self-KL {full_self['kl_mean']:.2g}, needles {sum(full_hits)}/{len(full_hits)}")
 
     def run_policy(name: str, frac: Optional[float]) -> Dict[str, Any]:
         row: Dict[str, Any] = {"policy": name, "budget_frac": frac}
-        r = Runner(policy_spec(name, int(round((frac or 1.0) * (cfg.kl_tokens - cfg.stream))), cfg.prefill), cfg)
+        r = Runner(policy_spec(name, int(round((frac or 1.0) * (cfg.kl_tokens - cfg.stream))), cfg.prefill), cfg,
+                   n_ctx=cfg.n_ctx_kl)
         row["spec"] = r.llm.kv_policy.spec() if r.llm.kv_policy is not None else "full"
+        row["flash_attn"] = r.flash_attn
         row.update(compare_logprobs(ref_lp, stream_logprobs(r, tokens, cfg.stream, cfg.stream_chunk)))
         row["budgets"] = r.llm.kv_memory().budgets
         trace: List[int] = []
@@ -415,6 +445,9 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
         row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
         if cfg.prefill:
             row["density"] = r.llm.kv_sparse().total_density if r.llm.kv_policy.sparse else None
+            if name == "none" and row["density"] is not None and row["density"] >= 1.0 and not quiet:
+                print(f"eval: --prefill {cfg.prefill} computed every key block of the KL text ({cfg.kl_tokens} "
+                      f"tokens): its prompts are below the stage's threshold; see --kl-tokens", file=sys.stderr)
         r.close()
         hits: List[bool] = []
         for n in cfg.needle_lengths:
@@ -448,23 +481,42 @@ def markdown(results: Dict[str, Any]) -> str:
     cfg = results["config"]
     default = not cfg.get("text_file") and cfg.get("corpus", "essays") == "essays" and cfg.get("needles", "classic") == "classic"
     lines = [] if default else [f"text: {results.get('source')}; needles: {cfg.get('needles', 'classic')}", ""]
-    if cfg.get("prefill"):
-        lines += [f"prefill mode of every row but full: {cfg['prefill']}", ""]
+    prefill = cfg.get("prefill")
+    if prefill:
+        lines += [f"prefill mode of every row but full: {prefill}", ""]
     types = (cfg.get("type_k", "f16"), cfg.get("type_v", "f16"))
     if types != ("f16", "f16"):
+        fa = ", all rows with flash attention" if "n_ctx" in full else ""  # since 2026-11-27 (the reference too)
         lines += [f"KV cache types of every row but the first (the reference, f16): K {types[0]}, V {types[1]}; "
-                  f"KV bytes against the f16 full cache", ""]
+                  f"KV bytes against the f16 full cache{fa}", ""]
     lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
-             " KV bytes (x full) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              " KV bytes, peak (x full) |" + (" key blocks computed |" if prefill else ""),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if prefill else "")]
     for i, row in enumerate(results["runs"]):
         hits = row["needle_hits"]
         budget = "-" if row["budget_frac"] is None else f"{row['budget_frac']:.0%}"
-        label = row["policy"] if i == 0 or types == ("f16", "f16") else f"{row['policy']} [{types[0]}/{types[1]}]"
+        label = f"none+{prefill}" if prefill and i > 0 and row["policy"] == "none" else row["policy"]
+        label = label if i == 0 or types == ("f16", "f16") else f"{label} [{types[0]}/{types[1]}]"
+        density = row.get("density")
         lines.append(f"| {label} | {budget} | {row['kl_mean']:.4f} | {row['kl_p95']:.4f} | {row['top1']:.3f} "
                      f"| {row['agree']}/{n_agree} | {sum(hits)}/{len(hits)} | "
-                     f"{sum(full['needle_hits'])}/{len(full['needle_hits'])} | {row['bytes'] / full['bytes']:.3f} |")
+                     f"{sum(full['needle_hits'])}/{len(full['needle_hits'])} | "
+                     f"{x_full_bytes(results, row):.3f} |"
+                     + ("" if not prefill else " - |" if density is None else f" {density:.2f} |"))
     return "\n".join(lines)
+
+
+def x_full_bytes(results: Dict[str, Any], row: Dict[str, Any]) -> float:
+    """A row's KV bytes at peak against the full cache of the KL run (its text and greedy continuation)."""
+    full = results["runs"][0]
+    peak = row.get("bytes_peak", row["bytes"])
+    if "n_ctx" in full or row is full or row.get("spec", "full") == "full" or row["policy"] == "none":
+        return peak / full["bytes"]
+    # results of before 2026-11-27 ran every row in the needle runs' context, results["n_ctx"] cells, so their full
+    # caches (above) compare among themselves; a full cache's buffers are n_ctx cells of fixed bytes, so the KL run's
+    # context would have held this share of them
+    cfg = results["config"]
+    return peak / (full["bytes"] * _ctx_size(cfg["kl_tokens"] + cfg["n_agree"]) / results["n_ctx"])
 
 
 def plot(results: Dict[str, Any], out_dir: Path) -> List[Path]:
@@ -532,7 +584,7 @@ def _finish(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, p
 
 def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
     """results.json, results.md and the plots in out_dir."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
     (out_dir / "eval.md").write_text(markdown(results) + "\n")
     return [out_dir / "eval.json", out_dir / "eval.md"] + plot(results, out_dir)

@@ -14,7 +14,7 @@ import pytest
 from pykvcache import cli
 from pykvcache import Llama
 from pykvcache.evaluate import (EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, needle_cases,
-                                policy_spec, split_policies, write_outputs)
+                                policy_spec, split_policies, write_outputs, x_full_bytes)
 
 RESULT_FIELDS = {
     "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
@@ -215,7 +215,11 @@ def test_harness_with_a_prefill_mode(model_path):
     assert none["policy"] == "none" and none["budget_frac"] is None and none["spec"].startswith("none+sparse:")
     assert 0.0 < none["density"] < 1.0 and none["kl_mean"] > 0.0 and none["bytes"] == full["bytes"]
     assert sr["spec"].startswith("sink_recent:") and "+sparse:" in sr["spec"] and 0.0 < sr["density"] <= 1.0
-    assert markdown(res).startswith("prefill mode of every row but full: sparse:")
+    md = markdown(res)
+    assert md.startswith("prefill mode of every row but full: sparse:")
+    # the row of the full cache with the stage is named so, and the table has the share of key blocks computed
+    assert f"| none+{cfg.prefill} | - |" in md and "key blocks computed |" in md
+    assert f" {none['density']:.2f} |" in md.splitlines()[-2]
 
 
 def test_harness_on_quantized_caches(model_path, tmp_path):
@@ -225,6 +229,8 @@ def test_harness_on_quantized_caches(model_path, tmp_path):
                      depths=[0.5], n_agree=8, threads=2, model_path=model_path, type_k="q8_0", type_v="q8_0")
     res = evaluate(cfg, quiet=True)
     full, full8, sr = res["runs"]
+    # a quantized V cache needs flash attention, so the reference runs it too: a row differs by its types alone
+    assert full["flash_attn"] and full8["flash_attn"] and sr["flash_attn"]
     assert full["kl_mean"] == 0.0 and full8["policy"] == "full" and full8["spec"] == "full"
     assert 0.0 < full8["kl_mean"] < 0.05  # q8_0 alone: small but not nothing
     # a q8_0 row of 3 KV heads x 64 dims: 6 blocks of 34 bytes against f16's 384 bytes
@@ -232,6 +238,7 @@ def test_harness_on_quantized_caches(model_path, tmp_path):
     assert sr["kl_mean"] > full8["kl_mean"] and sr["bytes"] < full8["bytes"]
     md = markdown(res)
     assert md.startswith("KV cache types of every row but the first (the reference, f16): K q8_0, V q8_0")
+    assert "all rows with flash attention" in md.splitlines()[0]
     assert "| full [q8_0/q8_0] | - |" in md and "| sink_recent [q8_0/q8_0] | 50% |" in md
     with pytest.raises(SystemExit):  # not a KV cache type: argparse's usage line
         cli.main(["eval", "-ctv", "q3_k", "-o", str(tmp_path / "out"), "-q"])
@@ -293,15 +300,37 @@ def test_harness_pieces():
     ({"prefill": "sparse:foo=1"}, "unknown key 'foo' for stage 'sparse'"),
     ({"prefill": "sparse+dense"}, "two stages for the prefill slot"),
     ({"prefill": "window"}, "one prefill stage"),
+    ({"policies": ["snapkv+sparse"], "prefill": "sparse"},
+     "policy 'snapkv.sparse' with --prefill sparse: two stages for the prefill slot"),
+    ({"threads": 100000}, "-t/--threads must be 1 to 512"),
 ])
 def test_harness_invalid_settings(kwargs, message):
     with pytest.raises(EvalError, match=message.replace("[", r"\[").replace("]", r"\]")):
         EvalConfig(**kwargs).validate()
 
 
-def test_eval_cli_invalid_argument_is_a_clear_error(capsys):
+def test_eval_cli_invalid_argument_is_a_clear_error(capsys, tmp_path):
     assert cli.main(["eval", "--budgets", "0,0.1"]) == 2
     assert "budgets are fractions" in capsys.readouterr().err
+    # an output folder whose parent is missing: one line before any work, and nothing made on the way
+    out = tmp_path / "missing" / "out"
+    assert cli.main(["eval", "-o", str(out), "-q"]) == 2
+    assert f"its folder {out.parent} does not exist" in capsys.readouterr().err and not out.parent.exists()
+
+
+def test_harness_kv_bytes_are_against_the_full_cache_of_the_kl_run(model_path):
+    # "x full" compares a policy's KV bytes at peak with the full cache holding the KL run (its text and greedy
+    # continuation), whatever the needle prompts' lengths: it used to be the needles' context when they were longer
+    ratios = []
+    for n in (160, 700):
+        cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[n],
+                         depths=[0.5], n_agree=4, threads=2, model_path=model_path)
+        res = evaluate(cfg, quiet=True)
+        full, sr = res["runs"]
+        assert full["n_ctx"] == cfg.n_ctx_kl == 256 and x_full_bytes(res, full) == 1.0
+        ratios.append(x_full_bytes(res, sr))
+        assert f"| {ratios[-1]:.3f} |" in markdown(res).splitlines()[-1]
+    assert ratios[0] == ratios[1] and 0.0 < ratios[0] < 1.0
 
 
 def test_eval_policies_take_their_own_keys():
@@ -349,6 +378,8 @@ def test_varied_needles_vary_in_wording_value_and_length(model_path):
         questions.add(text.rsplit("\n\n", 1)[1].split("?")[0])
         assert c["n_answer"] >= len(llm.tokenize((" " + c["answer"]).encode(), add_bos=False))
     assert len(questions) >= 3
+    with pytest.raises(EvalError, match="a 20-token needle prompt is shorter than its fact and question"):
+        needle_cases(llm, hay, 20, [0.5], 1234)
     llm.close()
 
 
@@ -363,3 +394,22 @@ def test_harness_on_the_second_corpus_with_varied_needles(model_path):
     for kwargs, message in (({"corpus": "poems"}, "unknown corpus 'poems'"), ({"needles": "odd"}, "unknown needle set")):
         with pytest.raises(EvalError, match=message):
             EvalConfig(**kwargs).validate()
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("summarise.py", ["--policies", "sink_recent"], "summarise needs a score stage that observes"),
+    ("summarise.py", ["--policies", "snapkv", "-o", "/nonexistent-dir/x.json"], "the folder /nonexistent-dir does not exist"),
+    ("decode_limit.py", ["--policies", ""], "--policies: no policy given"),
+    ("decode_limit.py", ["-n", "0"], "-p and -n must be >= 1"),
+    ("prefix_reuse.py", ["-b", "2.5"], "-b 2.5: snapkv: a budget >= 1 is a token count"),
+    ("chat_turns.py", ["-n", "1"], "at least 2 turns"),
+    ("freeze.py", ["--needle-lengths", "20"], "must be >= 128 tokens"),
+    ("sparse_prefill.py", ["--policies", "snapkv:budget=0.5"], "no sparse prefill stage"),
+])
+def test_bench_scripts_refuse_bad_settings_before_any_run(script, args, message):
+    # one usage error line and exit status 2 before a model is loaded, not a traceback after minutes of work
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / script
+    p = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
