@@ -111,6 +111,7 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
     nctx, ctx, n_batch = llm._native_ctx(), llm._ctx.ctx, llm.n_batch
     if lib.llama_kvp_seq_select(nctx, s) != 0:
         raise PolicyError(last_error())
+    evicted0 = llm._n_evicted() if llm._latent_at_end else 0
     k = 0
     if llm.kv_policy.guides and len(p) > 1:  # question-guided chunks, scored by the prompt's end run behind them
         k = lib.llama_kvp_prefill_guided(nctx, list(p), len(p), 0)
@@ -124,7 +125,8 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
         _decode(ctx, batch)
     if llm._latent_at_end and len(p) > 1:
         # re-ranked by the prompt's end, its last tokens evaluated again to see what came back, then the last one
-        for k_redo in (max(1, min(len(p), llm._latent_window)), 1):
+        pruned = llm._n_evicted() > evicted0  # the window evaluated again only where it saw a pruned cache (eval)
+        for k_redo in (max(1, min(len(p), llm._latent_window)) if pruned else 1, 1):
             if lib.llama_kvp_latent_rerank(nctx) != 0:
                 raise RuntimeError(last_error())
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), s, len(p) - k_redo, -1)

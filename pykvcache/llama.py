@@ -267,6 +267,9 @@ class Llama(llama_cpp.Llama):
                                f"{len(tokens)} more asked): a longer generation needs a larger n_ctx")
         pol = self._kv_policy
         n_in = len(tokens)
+        # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
+        # pruned cache (not a new prompt that no eviction reached: there it would take their full context away)
+        evicted0 = self._n_evicted() if self._latent_at_end and self.n_tokens == 0 else None
         if pol is not None and pol.retains and self.n_tokens == 0 and len(tokens) > 0:
             # a new prompt on an empty cache: a fractional budget is resolved against its length
             _, lib = native()
@@ -308,7 +311,16 @@ class Llama(llama_cpp.Llama):
         if self._gen_evals >= 0:
             self._gen_evals += 1
         if self._latent_at_end and n_in > 1 and at_prompt:
-            self._latent_redo(max(1, min(n_in, self._latent_window)))
+            pruned = evicted0 is None or self._n_evicted() > evicted0
+            self._latent_redo(max(1, min(n_in, self._latent_window)) if pruned else 1)
+
+    def _n_evicted(self) -> int:
+        # the tokens the memory's layers have evicted since the context was made
+        ffi, lib = native()
+        info = ffi.new("struct llama_kvp_memory_info *")
+        if lib.llama_kvp_memory_info(self._native_ctx(), info) != 0:
+            raise RuntimeError(last_error())
+        return int(info.n_evicted)
 
     def _latent_redo(self, k: int) -> None:
         # re-rank by the prompt's end (the question: the window's queries), then evaluate those k tokens again so that

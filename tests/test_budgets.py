@@ -94,6 +94,10 @@ def test_invalid_entropy_parameters(kwargs, reason):
 
 
 def test_invalid_baseline_parameters():
+    with pytest.raises(PolicyError, match="a budget of 1 is one token, a fraction of the prompt is below 1"):
+        SnapKV(budget=1.0)  # "the whole prompt" reads as one token
+    with pytest.raises(PolicyError, match=r"sink_recent: its 256 tokens \(n_sink \+ n_recent\) leave no room"):
+        parse_policy("sink_recent+window")
     with pytest.raises(PolicyError, match="pool must be an odd width"):
         SnapKV(budget=256, pool=4)
     with pytest.raises(PolicyError, match=r"slope must be in \[0, 1\)"):

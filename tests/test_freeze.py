@@ -220,6 +220,37 @@ def test_latent_reranking_brings_back_what_the_question_needs(model_path):
     assert "4817" in answer[base + "+latent:gap=0"] and "4817" in answer[base + "+freeze:gap=0"], answer
 
 
+def test_a_rerank_at_the_prompt_end_keeps_what_the_prompt_saw(model_path, monkeypatch):
+    """gap=0 on a prompt just above the budget: the first token (the attention sink) keeps its place in most layers
+    against the tokens after it that inherit its mass, and a prompt no eviction reached keeps the window's K/V computed over the
+    whole prompt (only its last token is evaluated again); a chat with h2o's re-rank answered '' and SnapKV's a later
+    turn in garbage before."""
+    import llama_cpp
+
+    evaluated = []
+    inner = llama_cpp.Llama.eval
+    monkeypatch.setattr(llama_cpp.Llama, "eval", lambda self, tokens: (evaluated.append(len(tokens)), inner(self, tokens)))
+    prompt = ("<|im_start|>system\nYou are a helpful assistant. The secret code is 4417. Remember it.<|im_end|>\n"
+              "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    for spec, k_window in (("h2o:budget=36+host+latent:gap=0", 1), ("snapkv:budget=36,guide=0+host+latent:gap=0", 32)):
+        llm = make(model_path, spec)
+        tokens = llm.tokenize(prompt.encode(), special=True)
+        assert 36 < len(tokens) < 64
+        evaluated.clear()
+        llm.eval(tokens)
+        assert evaluated == [len(tokens), 1, 1], (spec, evaluated)  # the prompt, then its last token after each re-rank
+        state = llm.kv_host().state  # a few first layers do without the sink, as their eviction alone decides
+        assert (state[:, 0] == HostTelemetry.ACTIVE).sum() >= 2 * state.shape[0] // 3, (spec, state[:, :8])
+        out = llm.create_completion(tokens, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+        assert "4" in out, (spec, out)
+        # a prompt evicted from while it was evaluated (chunks): the window's tokens are evaluated again
+        long = llm.tokenize((" ".join(essays()[2].split()[:500]) + " What is this about?").encode())[:600]
+        llm.reset()
+        evaluated.clear()
+        llm.eval(long)
+        assert llm.kv_memory().n_evicted > 0 and evaluated[-2:] == [k_window, 1], (spec, evaluated)
+
+
 def test_freeze_composes_with_latent_reranking():
     spec = "snapkv:budget=0.1+host+freeze:gap=0"
     pol = parse_policy(spec)

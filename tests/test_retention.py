@@ -206,6 +206,24 @@ def test_generation_far_past_the_capacity_stays_flat(model_path):
     assert held[:, :4].all() and held[:, -60:].all() and held.sum(axis=1).max() <= 65
 
 
+def test_a_fractional_budgets_peak_counts_from_the_first_prompt(model_path):
+    # before a prompt, a fraction's buffers are sized for n_ctx (8192 here): a placeholder that was the "peak" of a
+    # 200-token run, 4.5x what it held
+    llm = Llama(model_path, n_ctx=8192, verbose=False, kv_policy=SnapKV(budget=0.1))
+    before = llm.kv_memory().bytes
+    tokens = llm.tokenize((PROSE * 4).encode())[:200]
+    assert len(tokens) == 200
+    llm.eval(tokens)
+    for _ in range(4):
+        llm.eval([int(np.argmax(last_logits(llm)))])
+    mem = llm.kv_memory()
+    assert mem.bytes < before / 3 and mem.bytes_peak == mem.bytes == llm.kv_stats().total_bytes
+    # a later prompt keeps counting the peak
+    llm.reset()
+    llm.eval(llm.tokenize((PROSE * 12).encode())[:600])
+    assert llm.kv_memory().bytes_peak >= llm.kv_memory().bytes >= mem.bytes
+
+
 def test_h2o_budget_holds_during_decode(model_path):
     llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=H2O(budget=48, n_recent=8, chunk=16))
     tokens = llm.tokenize((PROSE * 2).encode())

@@ -187,6 +187,7 @@ public:
     uint32_t n_pad    = 32;
 
     int64_t bytes_peak = 0;
+    bool    prompt_seen = false; // a prompt length was set (the buffers sized before it, for n_ctx, are a placeholder)
     int64_t host_bytes      = 0; // K/V bytes in the host tier (fate stage `host`), all layers
     int64_t host_bytes_peak = 0;
     int64_t n_rerank        = 0; // latent re-rankings (schedule stage `latent`), per layer

@@ -286,8 +286,15 @@ std::string llama_kvp_policy_check(const llama_kvp_policy & p) {
     if (budget && p.budget >= 1.0f && !score->protected_only()) {
         const int32_t n_prot = score->n_protected(p);
         if ((float) n_prot >= p.budget) {
-            snprintf(buf, sizeof(buf), "%s: budget (%g) must be larger than the tokens always kept (%d: sinks + recent window)",
-                    name.c_str(), (double) p.budget, n_prot);
+            if (!llama_kvp_list_has(preset->keys, "budget")) { // sink_recent: its budget is n_sink + n_recent
+                snprintf(buf, sizeof(buf), "%s: its %g tokens (n_sink + n_recent) leave no room for a token chosen by the "
+                        "score stage, which always keeps %d (sinks + recent window): use a preset with a budget (snapkv, h2o, ...)",
+                        name.c_str(), (double) p.budget, n_prot);
+            } else {
+                snprintf(buf, sizeof(buf), "%s: budget (%g) must be larger than the tokens always kept (%d: sinks + recent window)%s",
+                        name.c_str(), (double) p.budget, n_prot,
+                        p.budget == 1.0f ? "; a budget of 1 is one token, a fraction of the prompt is below 1 (all of it: no policy)" : "");
+            }
             return buf;
         }
     }

@@ -31,6 +31,8 @@
 
 // how far forward an attended token lends its score in a re-ranking (tokens)
 #define LLAMA_KVP_LATENT_REACH 8
+// the share of an attended token's mass a token after it loses per token between them
+#define LLAMA_KVP_LATENT_REACH_STEP 1e-3f
 
 struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
     llama_kvp_schedule_latent() : llama_kvp_schedule_stage(LLAMA_KVP_SCHEDULE_LATENT, LLAMA_KVP_SLOT_SCHEDULE, "latent", "gap,repeat,every",
@@ -192,11 +194,17 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         const uint32_t n_keep = std::min<uint32_t>((uint32_t) n, std::min<uint32_t>(L.budget, size > 1 ? size - 1 : 0));
         llama_kvp_clamp_protected(n_keep, n_sink, n_recent);
         // a value follows its key: a question attends to "the code for Quito is", not to the digits after it, so each
-        // token inherits the best mass of the LLAMA_KVP_LATENT_REACH tokens before it
+        // token inherits the best mass of the LLAMA_KVP_LATENT_REACH tokens before it, a little less for each token
+        // between them, so that the key itself (an attention sink too, the first token) never loses its place to the
+        // tokens after it on a tie, which the newer token wins
         for (size_t j = n; j-- > 0;) {
             for (size_t k = j >= LLAMA_KVP_LATENT_REACH ? j - LLAMA_KVP_LATENT_REACH : 0; k < j; ++k) {
-                cells[j].score = std::max(cells[j].score, raw_mass[k]);
+                cells[j].score = std::max(cells[j].score, raw_mass[k]*(1.0f - LLAMA_KVP_LATENT_REACH_STEP*(float) (j - k)));
             }
+        }
+        // the re-ranking is one observation: a score stage that ranks by the last one (fresh) reads the same mass
+        for (size_t j = 0; j < n; ++j) {
+            cells[j].last = cells[j].score;
         }
         const size_t n_topk = n_keep - n_sink - n_recent;
         mem.stage_score->score(p, ikv, (int32_t) mem.layers.size(), n_sink, (uint32_t) (n - n_recent), (uint32_t) n_topk, cells);
