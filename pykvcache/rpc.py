@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import os
 import socket
+import struct
 import sys
 from functools import lru_cache
 from typing import List, Optional
@@ -61,17 +62,46 @@ def add_servers(servers: str) -> List[str]:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise RPCError(f"RPC server '{ep}' is not host:port")
-        try:  # ggml-rpc aborts the process on a server it cannot reach: ask first
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as exc:
-            raise RPCError(f"RPC server {ep} cannot be reached ({exc.strerror or exc}); is `pykvcache rpc-server` "
-                           f"running there?") from None
+        if not 1 <= int(port) <= 65535:
+            raise RPCError(f"RPC server '{ep}': port must be in 1..65535")
+        # ggml-rpc aborts the process on a server that cannot be reached or answers wrong, and waits for ever on one
+        # that never answers: ask first, with a timeout
+        _hello(ep, host, int(port))
         reg = rpc.ggml_backend_rpc_add_server(ep.encode())
         if not reg:
             raise RPCError(f"RPC server {ep} cannot be reached (is `pykvcache rpc-server` running there?)")
         ggml.ggml_backend_register(reg)
         _added.append(ep)
     return endpoints
+
+
+# ggml-rpc's handshake (ggml-rpc.cpp): the HELLO command (14), its request (the connection's capabilities, 24 bytes;
+# none here), and a reply of 28 bytes: the protocol's version (major, minor, patch, padding) and the server's capabilities
+RPC_CMD_HELLO = 14
+RPC_CONN_CAPS_SIZE = 24
+RPC_HELLO_REPLY_SIZE = 4 + RPC_CONN_CAPS_SIZE
+
+
+def _hello(ep: str, host: str, port: int, timeout: float = 5.0) -> None:
+    """Check that an RPC server answers ggml-rpc's handshake within the timeout (RPCError otherwise)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(bytes([RPC_CMD_HELLO]) + struct.pack("<Q", RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE))
+            reply = b""
+            while len(reply) < 8 + RPC_HELLO_REPLY_SIZE:
+                part = sock.recv(8 + RPC_HELLO_REPLY_SIZE - len(reply))
+                if not part:
+                    break
+                reply += part
+    except socket.timeout:
+        raise RPCError(f"RPC server {ep} did not answer ggml-rpc's handshake in {timeout:g} s: is it a "
+                       f"`pykvcache rpc-server`?") from None
+    except OSError as exc:
+        raise RPCError(f"RPC server {ep} cannot be reached ({exc.strerror or exc}); is `pykvcache rpc-server` "
+                       f"running there?") from None
+    if len(reply) < 8 or struct.unpack("<Q", reply[:8])[0] != RPC_HELLO_REPLY_SIZE or len(reply) < 8 + 4:
+        raise RPCError(f"RPC server {ep} did not answer ggml-rpc's handshake (it answered {len(reply)} bytes): is it "
+                       f"a `pykvcache rpc-server`?")
 
 
 def listen_address(host: str, port: int) -> str:

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
+from .rpc import RPCError
 
 try:
     import llama_cpp
@@ -397,7 +398,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         msg = str(err.get("msg", exc)).removeprefix("Value error, ")
         print(f"pykvcache serve: error: {where}: {msg}" if where else f"pykvcache serve: error: {msg}", file=sys.stderr)
         return 2
-    except (PolicyError, ValueError, FileNotFoundError) as exc:
+    except (PolicyError, ValueError, FileNotFoundError, RPCError) as exc:
         print(f"pykvcache serve: error: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=os.getenv("HOST", server_settings.host), port=int(port),

@@ -38,11 +38,16 @@ def test_backend_check_compares_every_policy():
 
 
 def test_backend_check_catches_a_different_selection():
-    rc, out = backend_check("--policy", "snapkv:budget=0.25", "--perturb")
-    (r,) = out["policies"]
-    assert rc == 1 and not out["pass"] and not r["pass"]
-    assert r["kl_mean"] > out["max_kl"] or min(r["jaccard_prompt_mean"], r["jaccard_end_mean"]) < out["min_jaccard"]
-    assert r["jaccard_prompt_mean"] < 1 and r["kl_max"] > 0
+    # a fraction and a token count alike (a token budget passed unperturbed before); the full cache has no budget
+    rc, out = backend_check("--policy", "snapkv:budget=0.25", "--policy", "entropy:budget=64", "--policy", "full",
+                            "--perturb")
+    fraction, tokens, full = out["policies"]
+    assert rc == 1 and not out["pass"]
+    for r in (fraction, tokens):
+        assert r["perturbed"] and not r["pass"], r
+        assert r["kl_mean"] > out["max_kl"] or min(r["jaccard_prompt_mean"], r["jaccard_end_mean"]) < out["min_jaccard"]
+        assert r["jaccard_prompt_mean"] < 1 and r["kl_max"] > 0
+    assert not full["perturbed"] and full["pass"]
 
 
 def test_backend_check_help_and_bad_arguments():

@@ -112,6 +112,39 @@ def test_unreachable_server_is_named(model_path):
         Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{port}", n_gpu_layers=-1)
 
 
+def test_a_server_that_is_not_ggml_rpc_is_refused_not_waited_for(model_path):
+    # ggml-rpc waits for ever on a service that never answers its handshake, and aborts on one that answers wrong
+    import socket
+    import threading
+
+    from pykvcache.rpc import RPCError
+
+    silent, talker = socket.socket(), socket.socket()
+    for s in (silent, talker):
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+
+    def answer_junk():
+        conn, _ = talker.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    threading.Thread(target=answer_junk, daemon=True).start()
+    try:
+        with pytest.raises(RPCError, match="did not answer ggml-rpc's handshake in 5 s"):
+            Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{silent.getsockname()[1]}",
+                  n_gpu_layers=-1)
+        with pytest.raises(RPCError, match="did not answer ggml-rpc's handshake"):
+            Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{talker.getsockname()[1]}",
+                  n_gpu_layers=-1)
+        with pytest.raises(RPCError, match="port must be in 1..65535"):
+            Llama(model_path, n_ctx=256, verbose=False, rpc_servers="127.0.0.1:99999", n_gpu_layers=-1)
+    finally:
+        silent.close()
+        talker.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["-p", "-1"], "port must be in 1..65535"),
     (["-t", "0"], "threads must be >= 1"),

@@ -57,7 +57,7 @@ static void check_usage(const char * argv0) {
     printf("the next-token distributions (KL, top-1) and, per layer, the positions the caches hold (Jaccard).\n");
     printf("Prints one JSON object on stdout; exits with 1 if any policy is outside the bars.\n\n");
     printf("options:\n");
-    printf("  -m, --model FNAME     GGUF model (required)\n");
+    printf("  -m, --model FNAME     GGUF model (`pykvcache backend-check` gives the embedded one without it)\n");
     printf("  -f, --file FNAME      text whose tokens are the prompt (repeated as needed; default: random tokens)\n");
     printf("  --policy SPEC         a policy spec, repeatable (default: full, sink_recent, snapkv, h2o, pyramid at 0.25,\n");
     printf("                        entropy:budget=0.1, none+sparse, snapkv:budget=0.1+summarise, freeze)\n");
@@ -72,7 +72,8 @@ static void check_usage(const char * argv0) {
     printf("                        checked without a local GPU)\n");
     printf("  --max-kl X            largest mean KL(CPU || GPU) a policy may show (default 0.02)\n");
     printf("  --min-jaccard X       smallest mean Jaccard index of the layers' positions (default 0.9)\n");
-    printf("  --perturb             the other side gets 20%% less budget: the bars must then fail (checks the checker)\n");
+    printf("  --perturb             the other side gets 20%% less budget: the bars must then fail (checks the checker;\n");
+    printf("                        a policy without a budget, or one too small to lose 20%%, reports \"perturbed\": false)\n");
     printf("  -h, --help            show this help and exit\n");
 }
 
@@ -349,9 +350,14 @@ int main(int argc, char ** argv) {
         char name[512];
         llama_kvp_policy_to_string(&pol, name, sizeof(name));
         llama_kvp_policy pol_other = pol;
-        if (params.perturb && pol.budget > 0.0f && pol.budget < 1.0f) {
-            pol_other.budget = pol.budget*0.8f; // a fraction of the prompt (the presets' budgets are)
+        if (params.perturb && pol.budget > 0.0f) {
+            // a fraction of the prompt, or a token count (one a budget that small cannot lose stays as it is)
+            pol_other.budget = pol.budget < 1.0f ? pol.budget*0.8f : std::floor(pol.budget*0.8f);
+            if (llama_kvp_policy_validate(&pol_other) != 0) {
+                pol_other.budget = pol.budget;
+            }
         }
+        const bool perturbed = pol_other.budget != pol.budget;
         fprintf(stderr, "kvp-backend-check: %s\n", name);
         std::string line;
         try {
@@ -383,9 +389,9 @@ int main(int argc, char ** argv) {
             snprintf(buf, sizeof(buf),
                      "    {\"policy\": %s, \"kl_prompt\": %.6g, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1\": %.4f, "
                      "\"jaccard_prompt_mean\": %.4f, \"jaccard_prompt_min\": %.4f, \"jaccard_end_mean\": %.4f, "
-                     "\"jaccard_end_min\": %.4f, \"n_layers\": %zu, \"pass\": %s}",
+                     "\"jaccard_end_min\": %.4f, \"n_layers\": %zu, \"perturbed\": %s, \"pass\": %s}",
                      check_json_str(name).c_str(), kl_prompt, kl_mean, kl_max, (double) n_top1/a.logits.size(),
-                     jp_mean, jp_min, je_mean, je_min, a.pos_prompt.size(), pass ? "true" : "false");
+                     jp_mean, jp_min, je_mean, je_min, a.pos_prompt.size(), perturbed ? "true" : "false", pass ? "true" : "false");
             line = buf;
             if (a.summarises && b.summarises) {
                 // where the two sides' bins differ (the fits' own figures; centroids are placed per bin)
