@@ -351,7 +351,8 @@ bool llama_kvp_memory::set_prompt_len(int32_t n) {
     }
     restart_budgets(n);
     if (!prompt_seen) {
-        // a fractional budget's buffers before the first prompt are sized for n_ctx: the peak counts from the prompt's
+        // a fractional budget's buffers before the first prompt are sized for n_ctx, a placeholder: the peak counts from
+        // the first prompt's
         prompt_seen = true;
         bytes_peak  = bytes();
     }
