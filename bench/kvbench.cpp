@@ -384,10 +384,18 @@ static double kvbench_now() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// the tokens the memory's layers have evicted since the context was made
+static int64_t kvbench_n_evicted(llama_context * ctx) {
+    struct llama_kvp_memory_info info = {};
+    return llama_kvp_memory_info(ctx, &info) == 0 ? info.n_evicted : 0;
+}
+
 // gap=0 latent re-ranking (schedule `latent`, or `freeze` with gap=0) is the caller's, as in Python's Llama: at the end
-// of the prompt re-rank, evaluate its last `window` tokens again, re-rank again and evaluate its last token again
-static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_window, int32_t n_batch) {
-    const int32_t k_redo[2] = { std::max(1, std::min(n, n_window)), 1 };
+// of the prompt re-rank, evaluate its last `window` tokens again (only where they saw a pruned cache: `pruned`), re-rank
+// again and evaluate its last token again
+static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_window,
+                                int32_t n_batch, bool pruned) {
+    const int32_t k_redo[2] = { pruned ? std::max(1, std::min(n, n_window)) : 1, 1 };
     for (const int32_t k : k_redo) {
         if (llama_kvp_latent_rerank(ctx) != 0) {
             throw std::runtime_error(std::string("latent re-ranking failed: ") + llama_kvp_last_error());
@@ -498,9 +506,11 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         if (r.n_prompt > 0) {
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
+            const int64_t n_ev0 = kvbench_n_evicted(ctx);
             kvp_tool_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
             if (latent_at_end && r.n_prompt > 1) {
-                kvbench_latent_redo(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pol.window, params.n_batch);
+                const bool pruned = r.n_depth > 0 || kvbench_n_evicted(ctx) > n_ev0;
+                kvbench_latent_redo(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pol.window, params.n_batch, pruned);
             }
             llama_synchronize(ctx);
             r.pp_ts.push_back(r.n_prompt/(kvbench_now() - t0));
