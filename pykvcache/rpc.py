@@ -99,7 +99,7 @@ def _hello(ep: str, host: str, port: int, timeout: float = 5.0) -> None:
     except OSError as exc:
         raise RPCError(f"RPC server {ep} cannot be reached ({exc.strerror or exc}); is `pykvcache rpc-server` "
                        f"running there?") from None
-    if len(reply) < 8 or struct.unpack("<Q", reply[:8])[0] != RPC_HELLO_REPLY_SIZE or len(reply) < 8 + 4:
+    if len(reply) < 8 + RPC_HELLO_REPLY_SIZE or struct.unpack("<Q", reply[:8])[0] != RPC_HELLO_REPLY_SIZE:
         raise RPCError(f"RPC server {ep} did not answer ggml-rpc's handshake (it answered {len(reply)} bytes): is it "
                        f"a `pykvcache rpc-server`?")
 
