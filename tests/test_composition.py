@@ -109,6 +109,10 @@ def test_every_stage_has_a_python_dataclass_and_a_help_line():
         ("snapkv+entropy:budget=nan", ["budget"]),
         ("none+prompt", ["schedule stage 'prompt'", "needs a score stage"]),
         ("snapkv:budget=0.1,budget=0.2", ["key 'budget' given twice", "policy 'snapkv'"]),
+        # a preset's key that only the replaced stage read would do nothing
+        ("pyramid:slope=0.3+entropy", ["key 'slope'", "policy 'pyramid'", "no effect", "'+entropy' replaces"]),
+        ("snapkv:window=16+recency", ["key 'window'", "score stage 'window'", "recency reads: n_sink,n_recent"]),
+        ("freeze:tau=0.2+every", ["key 'tau'", "schedule stage 'freeze'"]),
     ],
 )
 def test_composition_errors_name_the_stage_or_key(spec, words):
@@ -118,6 +122,16 @@ def test_composition_errors_name_the_stage_or_key(spec, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, msg
+
+
+def test_a_preset_key_the_new_stage_reads_or_left_at_its_value_is_fine():
+    """Only a changed value of a key nothing reads any more is refused: the new stage's own keys, a key another stage
+    still reads, and the canonical string (every preset key at its value) parse."""
+    assert parse_policy("pyramid:budget=0.1+entropy").preset.budget == 0.1
+    assert parse_policy("entropy:window=16+accumulated").preset.window == 16
+    assert parse_policy("snapkv:every=0").every == 0
+    pol = parse_policy("pyramid+entropy")
+    assert "slope=" in pol.spec() and parse_policy(pol.spec()) == pol
 
 
 @pytest.mark.parametrize("spec, canonical", [

@@ -370,9 +370,11 @@ static std::string llama_kvp_bad_value(const std::string & key, const std::strin
     return "'" + val + "' is not " + kind;
 }
 
-// applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors
-static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p) {
-    std::vector<std::string> seen;
+// applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors; the keys
+// given are appended to `seen`
+static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p,
+        std::vector<std::string> & seen) {
+    const size_t n_before = seen.size();
     size_t start = 0;
     while (start <= items.size()) {
         size_t comma = items.find(',', start);
@@ -393,7 +395,7 @@ static bool llama_kvp_apply_keys(const std::string & items, const char * accepte
             llama_kvp_set_error("unknown key '" + key + "' for " + what + " (accepted: " + (*accepted ? accepted : "none") + ")");
             return false;
         }
-        if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+        if (std::find(seen.begin() + n_before, seen.end(), key) != seen.end()) {
             llama_kvp_set_error("key '" + key + "' given twice for " + what);
             return false;
         }
@@ -422,6 +424,33 @@ static void llama_kvp_add_stage(llama_kvp_policy & p, const llama_kvp_preset & p
         }
     }
     p.stage[stage.slot] = stage.id;
+}
+
+// a key given to the preset that only a stage replaced with '+' read, at another value than the preset's own, would
+// have no effect: "" if there is none, else the error
+static std::string llama_kvp_unread_key(const llama_kvp_policy & p, const llama_kvp_preset & preset,
+        const int32_t * preset_stage, const bool * replaced, const std::vector<std::string> & given) {
+    const llama_kvp_policy made = llama_kvp_policy_default(p.type);
+    for (const auto & key : given) {
+        bool read = false;
+        for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+            const llama_kvp_stage * s = llama_kvp_stage_by_id(p.stage[slot]);
+            read = read || (s && llama_kvp_list_has(s->keys, key));
+        }
+        if (read || llama_kvp_key_equal(*llama_kvp_key_find(key), p, made)) {
+            continue;
+        }
+        for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
+            const llama_kvp_stage * old = llama_kvp_stage_by_id(preset_stage[slot]);
+            if (replaced[slot] && old && llama_kvp_list_has(old->keys, key)) {
+                const llama_kvp_stage * now = llama_kvp_stage_by_id(p.stage[slot]);
+                return "key '" + key + "' of policy '" + preset.name + "' has no effect: its " + llama_kvp_slot_name(slot) +
+                    " stage '" + old->name + "' reads it, and '+" + now->name + "' replaces that stage (" + now->name +
+                    " reads: " + (*now->keys ? now->keys : "none") + ")";
+            }
+        }
+    }
+    return "";
 }
 
 // a retaining composition gets the stages it cannot run without: drop, dense and a schedule for observed scores
@@ -461,6 +490,9 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
     llama_kvp_policy p = llama_kvp_policy_base();
     const llama_kvp_preset * preset = nullptr;
     bool replaced[LLAMA_KVP_SLOT_COUNT] = {};
+    int32_t preset_stage[LLAMA_KVP_SLOT_COUNT] = {};
+    std::vector<std::string> given; // the keys given to the preset
+    std::vector<std::string> given_stage;
     for (size_t i = 0; i < parts.size(); ++i) {
         const size_t colon = parts[i].find(':');
         const std::string name  = llama_kvp_trim(parts[i].substr(0, colon));
@@ -473,10 +505,11 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
             }
             p.type = preset->type;
             preset->make(p);
-            if (!llama_kvp_apply_keys(items, preset->keys, "policy '" + name + "'", p)) {
+            if (!llama_kvp_apply_keys(items, preset->keys, "policy '" + name + "'", p, given)) {
                 return -1;
             }
             preset->derive(p);
+            memcpy(preset_stage, p.stage, sizeof(preset_stage));
             continue;
         }
         if (name.empty()) {
@@ -495,12 +528,17 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
         }
         replaced[stage->slot] = true;
         llama_kvp_add_stage(p, *preset, *stage);
-        if (!llama_kvp_apply_keys(items, stage->keys, "stage '" + name + "'", p)) {
+        if (!llama_kvp_apply_keys(items, stage->keys, "stage '" + name + "'", p, given_stage)) {
             return -1;
         }
     }
     llama_kvp_complete(p, *preset);
 
+    const std::string unread = llama_kvp_unread_key(p, *preset, preset_stage, replaced, given);
+    if (!unread.empty()) {
+        llama_kvp_set_error(unread);
+        return -1;
+    }
     if (llama_kvp_policy_validate(&p) != 0) {
         return -1;
     }
