@@ -210,14 +210,19 @@ class Llama(llama_cpp.Llama):
         leaves the context as it was."""
         self._check_open()
         before = super().save_state()
+        _, lib = native()
+        lib.llama_kvp_clear_error()
         try:
             super().load_state(state)
         except RuntimeError:
+            reason = last_error().removeprefix("pykvcache: ")  # the per-layer memory's, where it refused
             try:
                 super().load_state(before)
             except RuntimeError:  # not expected: then at least an empty cache, not a half-loaded one
                 self.n_tokens = 0
                 self._ctx.kv_cache_seq_rm(-1, 0, -1)
+            if reason:
+                raise RuntimeError(f"this state cannot be loaded here: {reason}; the context is unchanged") from None
             pol = self._kv_policy.spec() if self._kv_policy is not None else "none (the full cache)"
             types = "/".join(cache_type_name(t) for t in (self.context_params.type_k, self.context_params.type_v))
             raise RuntimeError(f"this state cannot be loaded here: it was saved by a context with another model, KV "

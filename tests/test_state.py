@@ -65,3 +65,22 @@ def test_a_loaded_state_goes_on_as_the_saved_context(model_path, spec, tk):
     assert again == toks and new == toks
     np.testing.assert_array_equal(rows_again, rows)  # to the last bit: the same cells in the same order
     np.testing.assert_array_equal(rows_new, rows)
+
+
+@pytest.mark.parametrize("spec_to, n_ctx_to, reason", [
+    # the same preset under another budget kept the saved budgets while the context said its own
+    ("h2o:budget=256", 1024, r"saved with the policy 'h2o:every=1,budget=64,.*this context has 'h2o:every=1,budget=256"),
+    # more positions than the context's n_ctx: loaded, then nothing could be evaluated
+    ("h2o:budget=64", 256, r"holds 600 positions, more than this context's 256"),
+])
+def test_a_state_of_other_keys_or_more_positions_is_refused_with_its_reason(model_path, spec_to, n_ctx_to, reason):
+    kw = dict(n_threads=1, verbose=False)
+    saved = Llama(model_path, n_ctx=1024, kv_policy="h2o:budget=64", **kw)
+    saved.eval(saved.tokenize(essays_file().read_text()[5000:13000].encode())[:600])
+    state = saved.save_state()
+    llm = Llama(model_path, n_ctx=n_ctx_to, kv_policy=spec_to, **kw)
+    llm.eval(llm.tokenize(b"The capital of France is"))
+    n_tokens, before = llm.n_tokens, logits(llm)
+    with pytest.raises(RuntimeError, match="cannot be loaded here: .*" + reason + ".*the context is unchanged"):
+        llm.load_state(state)
+    assert llm.n_tokens == n_tokens and np.array_equal(logits(llm), before)

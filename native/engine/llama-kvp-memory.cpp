@@ -20,9 +20,9 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 7; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 8; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
                                                       // 6: the cells' layout, the observation state, the step counters;
-                                                      // 7: summarise's bins apart, its dropped centroids
+                                                      // 7: summarise's bins apart, its dropped centroids; 8: the policy's spec
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -1097,28 +1097,35 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
 }
 
 void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    if (n_seq() == 1) {
-        state_read_cur(io, seq_id, flags);
-        return;
-    }
-    if (seq_id >= 0) {
-        if (seq_id >= (llama_seq_id) n_seq()) {
-            throw std::runtime_error("pykvcache: sequence id " + std::to_string(seq_id) + " is out of range: this context holds " +
-                    std::to_string(n_seq()) + " sequences");
+    // llama.cpp logs the reason and returns a failure; the reason is also kept for the caller (llama_kvp_last_error)
+    llama_kvp_clear_error();
+    try {
+        if (n_seq() == 1) {
+            state_read_cur(io, seq_id, flags);
+            return;
         }
-        llama_kvp_seq_scope scope(*this, seq_id);
-        state_read_cur(io, seq_id, flags);
-        return;
-    }
-    uint32_t hdr[2] = {};
-    io.read(hdr, sizeof(hdr));
-    if (hdr[0] != LLAMA_KVP_STATE_MAGIC_SEQS || hdr[1] != n_seq()) {
-        throw std::runtime_error("pykvcache: this state holds " + std::string(hdr[0] == LLAMA_KVP_STATE_MAGIC_SEQS ? std::to_string(hdr[1]) : "1") +
-                " sequence(s), this context holds " + std::to_string(n_seq()) + " (n_seq_max)");
-    }
-    for (uint32_t s = 0; s < n_seq(); ++s) {
-        llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
-        state_read_cur(io, -1, flags);
+        if (seq_id >= 0) {
+            if (seq_id >= (llama_seq_id) n_seq()) {
+                throw std::runtime_error("pykvcache: sequence id " + std::to_string(seq_id) + " is out of range: this context holds " +
+                        std::to_string(n_seq()) + " sequences");
+            }
+            llama_kvp_seq_scope scope(*this, seq_id);
+            state_read_cur(io, seq_id, flags);
+            return;
+        }
+        uint32_t hdr[2] = {};
+        io.read(hdr, sizeof(hdr));
+        if (hdr[0] != LLAMA_KVP_STATE_MAGIC_SEQS || hdr[1] != n_seq()) {
+            throw std::runtime_error("pykvcache: this state holds " + std::string(hdr[0] == LLAMA_KVP_STATE_MAGIC_SEQS ? std::to_string(hdr[1]) : "1") +
+                    " sequence(s), this context holds " + std::to_string(n_seq()) + " (n_seq_max)");
+        }
+        for (uint32_t s = 0; s < n_seq(); ++s) {
+            llama_kvp_seq_scope scope(*this, (llama_seq_id) s);
+            state_read_cur(io, -1, flags);
+        }
+    } catch (const std::exception & e) {
+        llama_kvp_set_error(e.what());
+        throw;
     }
 }
 
@@ -1131,6 +1138,11 @@ void llama_kvp_memory::state_write_cur(llama_io_write_i & io, llama_seq_id seq_i
         stages[slot] = (uint32_t) policy.stage[slot];
     }
     io.write(stages, sizeof(stages));
+    // the whole policy: a state decided under other keys (another budget, bin, limit) is refused
+    const std::string spec = llama_kvp_policy_str(policy);
+    const uint32_t n_spec = (uint32_t) spec.size();
+    io.write(&n_spec, sizeof(n_spec));
+    io.write(spec.data(), n_spec);
     const llama_pos ends[2] = { pos_end, pos_exact };
     io.write(ends, sizeof(ends));
     const int32_t steps[2] = { n_since_prompt, n_steps_total };
@@ -1243,6 +1255,17 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
                     (saved ? saved->name : "none") + "', this context has '" + (ours ? ours->name : "none") + "'");
         }
     }
+    uint32_t n_spec = 0;
+    io.read(&n_spec, sizeof(n_spec));
+    if (n_spec > 65536) {
+        throw std::runtime_error("pykvcache: corrupt policy in the state");
+    }
+    std::string spec(n_spec, '\0');
+    io.read(spec.data(), n_spec);
+    if (spec != llama_kvp_policy_str(policy)) {
+        throw std::runtime_error("pykvcache: this state was saved with the policy '" + spec + "', this context has '" +
+                llama_kvp_policy_str(policy) + "'");
+    }
     if (hdr[4] == 0 || hdr[4] > cparams.n_ctx_seq) {
         throw std::runtime_error("pykvcache: the saved budget " + std::to_string(hdr[4]) + " does not fit this context");
     }
@@ -1250,6 +1273,10 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
     io.read(ends, sizeof(ends));
     if (ends[0] < 0 || ends[1] < 0) {
         throw std::runtime_error("pykvcache: corrupt sequence end in the state");
+    }
+    if ((uint32_t) ends[0] > cparams.n_ctx_seq) {
+        throw std::runtime_error("pykvcache: the state holds " + std::to_string(ends[0]) + " positions, more than this context's " +
+                std::to_string(cparams.n_ctx_seq) + " (n_ctx per sequence)");
     }
     int32_t steps[2] = {};
     io.read(steps, sizeof(steps));
