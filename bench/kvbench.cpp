@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -184,7 +185,7 @@ static void kvbench_usage(const char * argv0) {
     printf("  --policy SPEC             a policy spec, repeatable (e.g. full, snapkv:budget=0.25, entropy:budget=0.1,\n");
     printf("                            snapkv:budget=0.1+entropy; listed below);\n");
     printf("                            'full' (llama.cpp's cache) is always run first, as the reference of the ratios\n");
-    printf("                            (default: full, sink_recent, snapkv, h2o, pyramid, entropy at budget 0.25)\n");
+    printf("                            (default: full, sink_recent (4 sinks + 252 recent tokens), and snapkv, h2o, pyramid, entropy at budget 0.25)\n");
     printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512); with lists, every combination of\n");
     printf("                            -d, -p and -n is one test (a row), in a context of its own\n");
     printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed (default: 128)\n");
@@ -359,8 +360,9 @@ static std::string kvbench_spec(const std::string & spec, llama_kvp_policy & pol
     if (llama_kvp_policy_parse(s.c_str(), &pol) != 0) {
         throw std::invalid_argument(std::string("--policy ") + spec + ": " + llama_kvp_last_error());
     }
-    char buf[512];
-    llama_kvp_policy_to_string(&pol, buf, sizeof(buf));
+    std::string buf(llama_kvp_policy_to_string(&pol, nullptr, 0) + 1, '\0');
+    llama_kvp_policy_to_string(&pol, buf.data(), buf.size());
+    buf.resize(buf.size() - 1);
     return kvbench_is_full(pol) ? "full" : buf;
 }
 
@@ -710,8 +712,14 @@ static std::string kvbench_json_str(const std::string & s) {
     for (char c : s) {
         if (c == '"' || c == '\\') {
             res += '\\';
+            res += c;
+        } else if ((unsigned char) c < 0x20) { // a tab or a newline in a path: escaped, so the JSON stays JSON
+            char esc[8];
+            snprintf(esc, sizeof(esc), "\\u%04x", (unsigned) (unsigned char) c);
+            res += esc;
+        } else {
+            res += c;
         }
-        res += c;
     }
     return res + "\"";
 }
@@ -1049,7 +1057,10 @@ int main(int argc, char ** argv) {
         for (int32_t p : params.n_prompt) {
             for (int32_t g : params.n_gen) {
                 if (p == 0 && g == 0) {
-                    fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (depth %d)\n", d);
+                    continue; // measures nothing (llama-bench's lists hold such pairs too); none left is an error below
+                }
+                if ((int64_t) d + p + g > (1 << 30)) {
+                    fprintf(stderr, "kvbench: depth + prompt + gen (%" PRId64 ") is too large\n", (int64_t) d + p + g);
                     llama_model_free(model);
                     return 1;
                 }
@@ -1066,6 +1077,11 @@ int main(int argc, char ** argv) {
                 n_need = std::max(n_need, d + p + g);
             }
         }
+    }
+    if (tests.empty()) {
+        fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing\n");
+        llama_model_free(model);
+        return 1;
     }
     if (params.n_gpu_layers > 0 && !llama_supports_gpu_offload()) {
         fprintf(stderr, "kvbench: warning: this build has no GPU backend, -ngl %d offloads nothing\n", params.n_gpu_layers);
@@ -1228,5 +1244,9 @@ int main(int argc, char ** argv) {
     }
     const std::vector<kvbench_result> limits = kvbench_pool_limits(results);
     kvbench_print(params, params.model, results, limits);
+    if (fflush(stdout) != 0 || ferror(stdout)) { // a full disk or a closed pipe: the results are not where asked
+        fprintf(stderr, "kvbench: writing the results failed: %s\n", strerror(errno));
+        return 1;
+    }
     return rc;
 }

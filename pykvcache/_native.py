@@ -13,7 +13,7 @@ from typing import Any, Tuple
 PACKAGE_DIR = Path(__file__).resolve().parent
 LIB_DIR = PACKAGE_DIR / "lib"
 HEADER = PACKAGE_DIR / "include" / "llama-kvp.h"
-API_VERSION = 19
+API_VERSION = 20
 
 
 class NativeLibraryError(ImportError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", "--n-predict", type=int, default=64,
                    help="tokens to generate (default: 64; 0 or less: until the context is full, as llama.cpp's -1)")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
-    g.add_argument("-s", "--seed", type=int, default=0, help="sampling seed (default: 0)")
+    g.add_argument("-s", "--seed", type=int, default=0,
+                   help="sampling seed, 0 to 4294967295; -1: a random one, as llama.cpp's (default: 0)")
 
     t = sub.add_parser("telemetry", help="observe attention over a prompt and summarise or plot it", allow_abbrev=False,
                        description="Process a prompt with an observing policy and report attention entropy and mass.")
@@ -148,6 +150,8 @@ def check_output_path(path: Optional[str], what: str, suffixes: Tuple[str, ...] 
         raise ValueError(f"{what} {path} needs one of the suffixes {', '.join(suffixes)}")
     if not p.resolve().parent.is_dir():
         raise ValueError(f"{what} {path}: the folder {p.resolve().parent} does not exist")
+    if not os.access(p if p.exists() else p.resolve().parent, os.W_OK):
+        raise ValueError(f"{what} {path}: not writable")
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -173,7 +177,7 @@ def check_run_args(args: argparse.Namespace) -> None:
     check_output_path(args.json, "--json")
     if args.file is not None:
         try:
-            args.prompt = Path(args.file).read_text(encoding="utf-8")
+            args.prompt = Path(args.file).read_text(encoding="utf-8-sig")
         except OSError as exc:
             raise ValueError(f"-f/--file {args.file}: {exc.strerror or exc}") from None
         except UnicodeDecodeError:
@@ -184,8 +188,11 @@ def check_run_args(args: argparse.Namespace) -> None:
         from .policies import as_policy
 
         pol = as_policy(args.policy)
-        if pol is None or not pol.observes:
-            raise ValueError("--plot/--json need an observing policy, e.g. --policy observe")
+        if pol is None or not (pol.observes or pol.sparse):
+            raise ValueError("--plot/--json need a policy that observes attention or prefills sparse, e.g. --policy observe")
+    seed = getattr(args, "seed", None)
+    if seed is not None and not -1 <= seed <= 2**32 - 1:
+        raise ValueError(f"-s/--seed must be in 0..4294967295, or -1 for a random one (got {seed})")
 
 
 def _make_llama(args: argparse.Namespace):
@@ -200,7 +207,8 @@ def _make_llama(args: argparse.Namespace):
         kwargs["n_threads"] = args.threads
         kwargs["n_threads_batch"] = args.threads
     if getattr(args, "seed", None) is not None:
-        kwargs["seed"] = args.seed
+        # -1 draws one, as llama.cpp's tools do (llama-cpp-python would take it as 1: random.Random(-n) is Random(n))
+        kwargs["seed"] = args.seed if args.seed != -1 else random.SystemRandom().randrange(2**32)
     return Llama(args.model, **kwargs)
 
 
@@ -223,9 +231,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     n = 0
 
+    # the telemetry written at the end is of the last step's window: that step observes whatever `every` says, so
+    # that snapkv, pyramid and entropy compute the entropy and per-head mass there too (their other decode
+    # observations keep the head mean of the mass only)
+    refresh = bool(args.plot or args.json) and llm.kv_policy is not None and llm.kv_policy.observes
+
     def count(_ids: Any, scores: Any) -> Any:  # called once per token sampled (a chunk may carry several)
         nonlocal n
         n += 1
+        if refresh and n == args.n_predict - 1:  # token n is evaluated next, the last evaluation of the run
+            llm.kv_observe_next()
         return scores
 
     from llama_cpp import LogitsProcessorList
@@ -453,12 +468,17 @@ def _main(argv: List[str]) -> int:
             print(policy_help(), end="")
             return 0
         return cmd_telemetry(args)
-    except (PolicyError, EvalError, FileNotFoundError) as exc:
+    except (PolicyError, EvalError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went first (`| head`): ends quietly, below
+        raise
+    except OSError as exc:  # a write that failed after the checks (a full disk): one line, as the other errors
+        print(f"pykvcache: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
         hay = "\n\n".join(texts[k:])
         what = f"the KL text ({cfg.corpus} 0-{k - 1})"
     else:
-        text = Path(cfg.text_file).read_text(encoding="utf-8", errors="replace")
+        text = Path(cfg.text_file).read_text(encoding="utf-8-sig", errors="replace")
         every = llm.tokenize(text.encode())
         tokens = every[: cfg.kl_tokens]
         hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")

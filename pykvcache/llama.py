@@ -660,7 +660,9 @@ class Llama(llama_cpp.Llama):
 
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
-        of the sparse prefill (Rigid/Dynamic heads, budgets, density)."""
+        of the sparse prefill (Rigid/Dynamic heads, budgets, density); after decode steps of snapkv, pyramid or
+        entropy, the entropy and per-head mass are of the last observation that computed them (`entropy_pos`; a
+        prompt's, or a step after kv_observe_next())."""
         ffi, lib = native()
         ctx = self._native_ctx()
         pol = self._kv_policy
@@ -684,41 +686,59 @@ class Llama(llama_cpp.Llama):
             summary=self.kv_summary() if pol.describe()["stages"]["fate"] == "summarise" else None,
             host=self.kv_host() if pol.describe()["stages"]["fate"] == "host" else None,
         )
-        if observes_nothing:  # nothing observed: empty attention arrays
+        if observes_nothing or info.n_obs == 0:  # nothing observed: empty attention arrays
             empty = np.zeros((len(stats.layers), 0), dtype=np.float32)
             return KVTelemetry(positions=np.zeros(0, dtype=np.int64), entropy=empty, mass=empty, mass_acc=empty,
                                window=0, n_queries=0, n_obs=0, **common)
         n_layer, n_head, n_cells = int(info.n_layer), int(info.n_head), int(info.n_cells)
 
+        # the per-head mass and the entropy: of the last observation only where it computed them (see KVTelemetry)
+        heads_fresh = info.n_obs_heads == info.n_obs
+        if per_head and not heads_fresh:
+            raise PolicyError(f"the per-head mass is of an earlier observation (queries up to position "
+                              f"{info.pos_entropy}): this policy's decode observations keep the head mean only; call "
+                              f"kv_observe_next() before a step to have the per-head mass of that step's window")
         entropy = np.zeros((n_layer, n_head), dtype=np.float32)
         mass_h = np.zeros((n_layer, n_head, n_cells), dtype=np.float32)
+        mass = np.zeros((n_layer, n_cells), dtype=np.float32)
         mass_acc = np.zeros((n_layer, n_cells), dtype=np.float32)
         cell_pos = np.zeros((n_layer, n_cells), dtype=np.int32)
         for fn, arr in ((lib.llama_kvp_obs_entropy, entropy), (lib.llama_kvp_obs_mass, mass_h),
-                        (lib.llama_kvp_obs_mass_acc, mass_acc)):
+                        (lib.llama_kvp_obs_mass_last, mass), (lib.llama_kvp_obs_mass_acc, mass_acc)):
             if fn(ctx, ffi.cast("float *", ffi.from_buffer(arr)), arr.size) < 0:
                 raise RuntimeError(last_error())
         if lib.llama_kvp_obs_cell_pos(ctx, ffi.cast("int32_t *", ffi.from_buffer(cell_pos)), cell_pos.size) < 0:
             raise RuntimeError(last_error())
 
+        entropy_pos = int(info.pos_entropy)
+        if info.n_obs_entropy != info.n_obs and heads_fresh and info.n_queries == 1:
+            # one query (h2o's window): the entropy of each head's attention is that of its mass, which is fresh
+            p = mass_h.astype(np.float64)
+            entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2).astype(np.float32)
+            entropy_pos = int(info.pos_last)
+
         # one column per position held by any layer at the last observation (0 where a layer does not hold it)
         positions = np.unique(cell_pos[cell_pos >= 0]).astype(np.int64)
         col = {int(p): i for i, p in enumerate(positions)}
         mass_pos_h = np.zeros((n_layer, n_head, positions.size), dtype=np.float32)
+        mass_pos = np.zeros((n_layer, positions.size), dtype=np.float32)
         acc_pos = np.zeros((n_layer, positions.size), dtype=np.float32)
         for layer in range(n_layer):
             cells = np.nonzero(cell_pos[layer] >= 0)[0]
             cols = np.array([col[int(p)] for p in cell_pos[layer, cells]], dtype=np.int64)
             mass_pos_h[layer][:, cols] = mass_h[layer][:, cells]
+            mass_pos[layer, cols] = mass[layer, cells]
             acc_pos[layer, cols] = mass_acc[layer, cells]
         return KVTelemetry(
             positions=positions,
             entropy=entropy,
-            mass=mass_pos_h.mean(axis=1),
+            mass=mass_pos,
             mass_acc=acc_pos,
             window=int(info.window),
             n_queries=int(info.n_queries),
             n_obs=int(info.n_obs),
             mass_per_head=mass_pos_h if per_head else None,
+            pos=int(info.pos_last),
+            entropy_pos=entropy_pos,
             **common,
         )

@@ -68,8 +68,9 @@ class KVStats:
         caps = sorted({s.n_cells for s in self.layers})
         if len(caps) <= 1:
             cap = caps[0] if caps else 0
-            used = self.layers[0].n_used if self.layers else 0
-            cells = f"{len(self.layers)} layers x {cap} cells ({used} used)"
+            used = sorted({s.n_used for s in self.layers})
+            each = f"{used[0]} used" if len(used) <= 1 else f"{used[0]}-{used[-1]} used, {self.n_used} in all"
+            cells = f"{len(self.layers)} layers x {cap} cells ({each if used else '0 used'})"
         else:
             cells = f"{len(self.layers)} layers, {caps[0]}-{caps[-1]} cells each ({self.n_used} used in all)"
         return (
@@ -366,6 +367,9 @@ class KVTelemetry:
     mass[n_layer, n_pos]          mean attention mass per position (averaged over heads and window queries)
     mass_acc[n_layer, n_pos]      accumulated (decayed) head-mean mass over all observations so far
     mass_per_head[n_layer, n_head, n_pos]  only when asked for (per_head=True)
+    pos                           the last query position of the observation behind mass (-1: none yet)
+    entropy_pos                   the same for entropy: below pos where the policy's decode observations score by the
+                                  head-mean mass alone (snapkv, pyramid, entropy), so the entropy is an earlier one's
     """
 
     layers: np.ndarray
@@ -384,6 +388,8 @@ class KVTelemetry:
     sparse: Optional[SparseTelemetry] = None
     summary: Optional[SummaryTelemetry] = None
     host: Optional[HostTelemetry] = None
+    pos: int = -1
+    entropy_pos: int = -1
 
     def __post_init__(self) -> None:
         """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
@@ -405,6 +411,8 @@ class KVTelemetry:
             "window": self.window,
             "n_queries": self.n_queries,
             "n_obs": self.n_obs,
+            "pos": self.pos,
+            "entropy_pos": self.entropy_pos,
             "layers": self.layers.tolist(),
             "positions": self.positions.tolist(),
             "entropy": self.entropy.tolist(),
@@ -486,18 +494,24 @@ class KVTelemetry:
             fig.colorbar(im0, ax=ax0)
         else:  # a policy that observes nothing, or nothing observed yet
             ax0.text(0.5, 0.5, "nothing observed", ha="center", va="center", transform=ax0.transAxes)
-        ax0.set_title("attention entropy (nats)")
+        ax0.set_title("attention entropy (nats)" + (f", queries up to position {self.entropy_pos}"
+                                                     if 0 <= self.entropy_pos < self.pos else ""))
         ax0.set_xlabel("head")
         ax0.set_ylabel("layer")
 
         if len(self.positions) > 0:
             # one column per position, so that x is the token's position (and lines up with the host tier's map):
             # positions that no layer holds any more are left blank
-            mass = np.log10(np.maximum(self.mass_by_position(), 1e-6))
+            by_pos = self.mass_by_position()
+            if self.retained is not None:  # a position this layer evicted is not a token of no attention
+                n = min(by_pos.shape[1], self.retained.shape[1])
+                by_pos[:, :n] = np.where(self.retained[:, :n], by_pos[:, :n], np.nan)
+            mass = np.log10(np.maximum(by_pos, 1e-6))
             cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
             im1 = ax1.imshow(mass, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest",
                              extent=(-0.5, mass.shape[1] - 0.5, -0.5, self.n_layer - 0.5))
-            ax1.set_title(f"attention mass of the last {self.n_queries} queries (log10, head mean; grey: held by no layer)")
+            ax1.set_title(f"attention mass of the last {self.n_queries} queries, up to position {self.pos} (log10, head "
+                          "mean; grey: not held by the layer)")
             fig.colorbar(im1, ax=ax1)
         else:
             ax1.text(0.5, 0.5, "nothing observed yet", ha="center", va="center", transform=ax1.transAxes)

@@ -109,6 +109,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["--policy", "nope"], "nope"),
     (["-m", "/no/such/model.gguf"], "model file not found"),
     (["-p", "512", "-c", "256"], "exceeds the context size"),
+    (["-p", "2147483647", "-n", "1"], "is too large"),  # the sum wrapped: a 1-token list read past its end
     (["-p", "0", "-n", "0"], "-p 0 with -n 0 measures nothing"),
     (["--no-limit=1"], "--no-limit: takes no value"),
     (["-o", "sql"], "expected md, json, jsonl or csv"),
@@ -131,6 +132,23 @@ def test_kvbench_says_what_the_model_refuses_before_any_test(model_path, policy,
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvbench: {policy}: cannot create the context"), lines
     assert f"policy 'snapkv', {message}" in lines[0]
+
+
+def test_kvbench_lists_with_an_empty_pair_paths_with_tabs_and_a_failed_write(model_path, tmp_path):
+    """-p 0,32 -n 0,2 aborted on its one pair that measures nothing (llama-bench runs such lists); a tab in the text
+    file's path made the JSON invalid; the results written to a full disk ended with exit 0 and no message."""
+    text = tmp_path / "a\tb.txt"
+    text.write_text("A plain text about rivers and hills, said once and then again. " * 40)
+    p = kvbench("-p", "0,32", "-n", "0,2", "-r", "1", "-t", "1", "-o", "json", "-f", str(text),
+                "--policy", "full", model_path=model_path)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tokens"] == str(text)
+    assert sorted((r["n_prompt"], r["n_gen"]) for r in doc["results"] if r["label"] == "full") == [(0, 2), (32, 0), (32, 2)]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([str(cli.kvbench_path()), "--no-progress", "-p", "32", "-n", "2", "-r", "1", "-t", "1",
+                            "--policy", "full", "-m", model_path], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 1 and "writing the results failed" in p.stderr
 
 
 def test_kvbench_sizes_each_test_as_llama_bench(model_path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 PROMPT = "The capital of France is"
@@ -135,7 +137,11 @@ def test_serve_help_names_the_policy_flag():
     (["generate", "-p", ""], "the prompt is empty"),                             # an AssertionError traceback
     (["generate", "-f", "/nonexistent/prompt.txt"], "-f/--file /nonexistent/prompt.txt"),  # was taken for -fa
     (["generate", "-p", "hi", "--plot", "noext"], "needs one of the suffixes"),  # wrote noext.png
-    (["generate", "-p", "hi", "--plot", "x.png"], "need an observing policy"),    # after generating
+    (["generate", "-p", "hi", "--plot", "x.png"], "need a policy that observes attention"),  # after generating
+    (["generate", "-p", "hi", "-s", "-2"], "-s/--seed must be in 0..4294967295"),  # the same text as -s 2
+    (["demo", "--policy", "sink_recent", "--plot", "x.png"], "--plot needs a policy that observes"),  # wrote nothing
+    (["demo", "-f", "."], "Is a directory"),                                     # a traceback
+    (["demo", "-t", "0"], "-t/--threads must be in 1..512"),                     # taken as the default
     (["generate", "-p", "hi", "--temp", "nan"], "--temp must be a number >= 0"),
     (["telemetry", "-p", "hi", "--policy", "none"], "needs an observing policy"),
     (["eval", "--budgets", ""], "no budget to evaluate"),
@@ -151,6 +157,26 @@ def test_bad_arguments_stop_at_once_with_one_line(args, says, tmp_path):
     assert out.returncode in (1, 2) and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_generate_writes_the_telemetry_of_its_last_step(tmp_path):
+    """The JSON of `generate --policy snapkv` held the prompt's mass and entropy (every generated position at 0): the
+    last step now observes in full."""
+    js = tmp_path / "t.json"
+    out = run("generate", "-p", PROMPT * 8, "-n", "6", "-c", "256", "--policy", "snapkv:budget=0.5", "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(js.read_text())
+    n_prompt = len(doc["retained"][0]) - 5  # the sixth token is sampled, not evaluated
+    assert doc["pos"] == doc["entropy_pos"] == max(doc["positions"]) == n_prompt + 4
+    mass = np.array(doc["mass"])
+    assert (mass[:, np.array(doc["positions"]) >= n_prompt].sum(axis=1) > 0).all()
+    np.testing.assert_allclose(mass.sum(axis=1), 1.0, atol=1e-3)
+
+
+def test_a_write_that_fails_at_the_end_is_one_line(tmp_path):
+    out = run("generate", "-p", PROMPT, "-n", "2", "-c", "256", "--policy", "observe", "--json", "/dev/full")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("pykvcache: error: [Errno 28]"), out.stderr
 
 
 def test_generate_counts_the_tokens_it_generated(tmp_path):

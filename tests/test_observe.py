@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import PROSE, last_logits
-from pykvcache import Llama, Observe
+from pykvcache import Llama, Observe, PolicyError
 from reference_llama import reference_attention
 
 ENTROPY_MAX = 0.1  # nats
@@ -268,3 +268,43 @@ def test_exports_refuse_a_layer_or_a_context_they_do_not_have(model_path):
         obs.kv_queries(-1)
     with pytest.raises(PolicyError, match="retention policy observing a window of 2 or more"):
         obs.kv_query_entropy(0)
+
+
+def test_decode_telemetry_is_of_the_last_window_or_says_whose_it_is(model_path):
+    """The decode observations of snapkv, pyramid and entropy keep the head-mean mass only: the telemetry's mass was
+    the prompt's after generation (generated positions at 0), mapped through cells reused since; the entropy was the
+    prompt's under no label. Now the mass is the last window's (the softmax of kv_queries over kv_layer), the entropy
+    says whose it is, kv_observe_next() makes a step compute both, and one query's entropy (h2o) is its mass's."""
+    prompt = Llama(model_path, n_ctx=64, verbose=False).tokenize(PROSE.encode())
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy="snapkv:budget=400,every=1")
+    llm.eval(prompt)
+    prompt_entropy = llm.kv_telemetry().entropy.copy()
+    for step in range(6):
+        if step == 5:
+            llm.kv_observe_next()
+        llm.eval([int(np.argmax(last_logits(llm)))])
+        tel = llm.kv_telemetry(per_head=step == 5)
+        assert tel.pos == llm.n_tokens - 1
+        for il in (0, 14, 29):
+            q_pos, q, scale = llm.kv_queries(il)
+            layer = llm.kv_layer(il)
+            probs = layer.probs(q, scale, q_pos=q_pos)[:, :, np.argsort(layer.pos[layer.held()])]
+            np.testing.assert_allclose(tel.mass[il], probs.mean(axis=(0, 1)), atol=2e-3)
+            if step == 5:  # the requested observation: entropy and per-head mass of this window
+                ent = -(probs * np.log(np.where(probs > 0, probs, 1))).sum(-1).mean(0)
+                np.testing.assert_allclose(tel.entropy[il], ent, atol=0.02)
+                np.testing.assert_allclose(tel.mass_per_head[il], probs.mean(0), atol=2e-3)
+        if step < 5:
+            assert tel.entropy_pos == len(prompt) - 1 and np.array_equal(tel.entropy, prompt_entropy)
+            with pytest.raises(PolicyError, match="kv_observe_next"):
+                llm.kv_telemetry(per_head=True)
+    assert tel.entropy_pos == tel.pos
+
+    h2o = Llama(model_path, n_ctx=512, verbose=False, kv_policy="h2o:budget=400")
+    h2o.eval(prompt + [int(np.argmax(last_logits(llm)))])
+    for _ in range(2):
+        h2o.eval([int(np.argmax(last_logits(h2o)))])
+    tel = h2o.kv_telemetry(per_head=True)
+    p = tel.mass_per_head
+    np.testing.assert_allclose(tel.entropy, -(p * np.log(np.where(p > 0, p, 1))).sum(-1), atol=1e-4)
+    assert tel.entropy_pos == tel.pos == h2o.n_tokens - 1

@@ -130,6 +130,10 @@ struct llama_kvp_obs_seq {
     int32_t n_obs         = 0;
     int32_t n_kv_obs      = 0;
     int32_t n_queries_obs = 0;
+    int32_t n_obs_heads   = 0;
+    int32_t n_obs_ent     = 0;
+    llama_pos pos_obs     = -1;
+    llama_pos pos_ent     = -1;
 };
 
 struct llama_kvp_context;
@@ -209,6 +213,13 @@ struct llama_kvp_context {
     int32_t n_obs         = 0; // observations made
     int32_t n_kv_obs      = 0; // cells covered by the last observation
     int32_t n_queries_obs = 0; // valid window queries of the last observation
+    // the decode observations of a policy with decode rows keep the head mean of the mass only (no per-head mass, no
+    // entropy): the last observation that wrote the per-head mass in every layer, the last that computed the entropy,
+    // and the last query position of the last observation and of that entropy's
+    int32_t   n_obs_heads = 0;
+    int32_t   n_obs_ent   = 0;
+    llama_pos pos_obs     = -1;
+    llama_pos pos_ent     = -1;
     size_t  n_steps_call  = 1; // ubatches of the decode call the current graph belongs to
     bool    obs_requested = false;
     bool    sparse_warned = false; // the reason prefill stays dense was logged

@@ -779,6 +779,14 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
     }
     st->n_kv_obs      = (int32_t) sets.empty() ? 0 : (int32_t) sets[0].n_kv;
     st->n_queries_obs = n_valid;
+    st->pos_obs       = p_max;
+    if (!rows) {
+        st->n_obs_heads = st->n_obs;
+    }
+    if (ent) {
+        st->n_obs_ent = st->n_obs;
+        st->pos_ent   = p_max;
+    }
     if (ubatch->n_tokens == 1) {
         st->obs_requested = false;
     }
@@ -1359,8 +1367,8 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
 }
 
 void llama_kvp_obs_state_write(const llama_kvp_context * st, std::vector<uint8_t> & out) {
-    const int32_t n[8] = { st->n_ent, st->n_obs_prompt, st->n_obs_folded, st->n_decode, st->n_obs, st->n_kv_obs,
-                           st->n_queries_obs, st->n_steps };
+    const int32_t n[12] = { st->n_ent, st->n_obs_prompt, st->n_obs_folded, st->n_decode, st->n_obs, st->n_kv_obs,
+                            st->n_queries_obs, st->n_steps, st->n_obs_heads, st->n_obs_ent, st->pos_obs, st->pos_ent };
     llama_kvp_state_put(out, n, sizeof(n));
     llama_kvp_state_put_vec(out, st->slot_pos);
     llama_kvp_state_put_vec(out, st->ent_sum);
@@ -1368,7 +1376,7 @@ void llama_kvp_obs_state_write(const llama_kvp_context * st, std::vector<uint8_t
 
 void llama_kvp_obs_state_read(llama_kvp_context * st, const std::vector<uint8_t> & in, size_t & off) {
     const char * what = "observation state";
-    int32_t n[8] = {};
+    int32_t n[12] = {};
     llama_kvp_state_get(in, off, n, sizeof(n), what);
     std::vector<llama_pos> slot_pos;
     std::vector<double>    ent_sum;
@@ -1385,6 +1393,10 @@ void llama_kvp_obs_state_read(llama_kvp_context * st, const std::vector<uint8_t>
     st->n_kv_obs      = n[5];
     st->n_queries_obs = n[6];
     st->n_steps       = n[7];
+    st->n_obs_heads   = n[8];
+    st->n_obs_ent     = n[9];
+    st->pos_obs       = n[10];
+    st->pos_ent       = n[11];
     st->obs_requested = false;
     st->slot_pos      = std::move(slot_pos);
     st->ent_sum       = std::move(ent_sum);
@@ -1459,6 +1471,10 @@ void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o) {
     std::swap(st->n_obs,         o.n_obs);
     std::swap(st->n_kv_obs,      o.n_kv_obs);
     std::swap(st->n_queries_obs, o.n_queries_obs);
+    std::swap(st->n_obs_heads,   o.n_obs_heads);
+    std::swap(st->n_obs_ent,     o.n_obs_ent);
+    std::swap(st->pos_obs,       o.pos_obs);
+    std::swap(st->pos_ent,       o.pos_ent);
 }
 
 void llama_kvp_obs_reset(llama_kvp_context * st) {

@@ -171,6 +171,10 @@ int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info
     out->n_queries = st->n_queries_obs;
     out->n_obs     = st->n_obs;
     out->n_steps   = st->n_steps;
+    out->n_obs_heads   = st->n_obs_heads;
+    out->n_obs_entropy = st->n_obs_ent;
+    out->pos_last      = st->pos_obs;
+    out->pos_entropy   = st->pos_ent;
     return 0;
 }
 
@@ -215,6 +219,26 @@ int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n) {
         return -1;
     }
     return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
+}
+
+int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, size_t n) {
+    llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    // the second of mass_acc's rows, by way of the first two
+    std::vector<float> two(2*st->layers.size()*(size_t) st->n_cells);
+    const int32_t res = llama_kvp_obs_read(ctx, st, two.data(), two.size(), &llama_kvp_obs_layer::mass_acc, 2*st->n_cells, 2, st->n_cells, true);
+    if (res < 0 || !out || n < st->layers.size()*(size_t) st->n_cells) {
+        if (res >= 0) {
+            llama_kvp_set_error("output buffer too small: need " + std::to_string(st->layers.size()*(size_t) st->n_cells) + " floats");
+        }
+        return -1;
+    }
+    for (size_t l = 0; l < st->layers.size(); ++l) {
+        std::copy_n(two.data() + (2*l + 1)*st->n_cells, st->n_cells, out + l*st->n_cells);
+    }
+    return (int32_t) (st->layers.size()*(size_t) st->n_cells);
 }
 
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n) {

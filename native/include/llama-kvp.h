@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 19
+#define LLAMA_KVP_API_VERSION 20
 
 #ifdef __cplusplus
 extern "C" {
@@ -174,6 +174,13 @@ struct llama_kvp_obs_info {
     int32_t n_queries;  // valid queries in the window at the last observation
     int32_t n_obs;      // observations made so far
     int32_t n_steps;    // ubatches processed so far
+    // the decode observations of snapkv, pyramid and entropy (`every` steps) score by the head mean of the mass alone:
+    // the per-head mass and the entropy stay those of the last observation that computed them (a prompt's, or a step
+    // after llama_kvp_obs_request)
+    int32_t n_obs_heads;   // the observation that last wrote the per-head mass (n_obs: the last one)
+    int32_t n_obs_entropy; // the observation that last computed the entropy
+    int32_t pos_last;      // the last query position of the last observation (-1: none)
+    int32_t pos_entropy;   // the last query position of the entropy's observation
 };
 
 int32_t llama_kvp_api_version(void);
@@ -229,6 +236,8 @@ int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info
 int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n);
 // attention mass of each cell, averaged over the window queries: out[n_layer*n_head*n_cells], cell fastest
 int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n);
+// attention mass of each cell at the last observation, averaged over heads and the window queries: out[n_layer*n_cells]
+int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, size_t n);
 // accumulated (decayed) mass of each cell, averaged over heads: out[n_layer*n_cells]
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n);
 // make the next single-token decode step observe, whatever `every` says
