@@ -805,13 +805,15 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                           const std::vector<kvbench_result> & limits) {
     char run[4096];
     const std::string rpc = params.rpc.empty() ? "null" : kvbench_json_str(params.rpc);
-    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, \"tokens\": %s, ",
+    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
+            "\"n_batch\": %d, \"seed\": %u, \"tokens\": %s, ",
             kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps,
-            kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+            params.n_batch, params.seed, kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
                 kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps);
-        printf("  \"tokens\": %s,\n  \"results\": [\n", kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+        printf("  \"n_batch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch, params.seed,
+                kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
             printf("    ");
             kvbench_print_json_row(results[i], "", "\n     ", i + 1 == results.size() ? "" : ",");

@@ -103,6 +103,8 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
         return out
     finally:
         llama_cpp.llama_batch_free(batch)
+        if pol is not None and pol.retains:  # llama_cpp's methods and eval act on sequence 0, the native calls on the
+            native()[1].llama_kvp_seq_select(llm._native_ctx(), 0)  # selected one: it was left at the last prompt's
 
 
 def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:

@@ -212,6 +212,16 @@ def _make_llama(args: argparse.Namespace):
     return Llama(args.model, **kwargs)
 
 
+def _kv_line(llm) -> str:
+    """The KV cache's line, with the host memory beside it where the policy holds some."""
+    line = llm.kv_stats().summary()
+    if llm.kv_policy is not None:
+        mem = llm.kv_memory()
+        if mem.host_bytes_peak > 0:  # the host tier's tokens or summarise's pending bins, not in the cache
+            line += f" | host memory {mem.host_bytes / 2**20:.2f} MiB (peak {mem.host_bytes_peak / 2**20:.2f} MiB)"
+    return line
+
+
 def _write_telemetry(llm, args: argparse.Namespace) -> None:
     if not (args.plot or args.json):
         return
@@ -245,20 +255,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from llama_cpp import LogitsProcessorList
 
+    finish = None
     for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp, stream=True,
                                        logits_processor=LogitsProcessorList([count])):
         sys.stdout.write(chunk["choices"][0]["text"])
         sys.stdout.flush()
+        finish = chunk["choices"][0]["finish_reason"] or finish
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
-    stats = llm.kv_stats()
     pol = llm.kv_policy.spec() if llm.kv_policy is not None else "none"
-    host = ""
-    if llm.kv_policy is not None:
-        mem = llm.kv_memory()
-        if mem.host_bytes_peak > 0:  # the host tier's tokens or summarise's pending bins, not in the cache
-            host = f" | host memory {mem.host_bytes / 2**20:.2f} MiB (peak {mem.host_bytes_peak / 2**20:.2f} MiB)"
-    print(f"{stats.summary()}{host} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
+    print(f"{_kv_line(llm)} | policy {pol} | {n} tokens in {dt:.2f} s", file=sys.stderr)
+    if finish == "length" and 0 < n < args.n_predict:
+        print(f"stopped after {n} of {args.n_predict} tokens: the context's {llm.n_ctx()} positions are used (-c)",
+              file=sys.stderr)
     if llm.kv_policy is not None and llm.kv_policy.summarises:
         print(llm.kv_summary().line(), file=sys.stderr)
     _write_telemetry(llm, args)
@@ -296,7 +305,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         piece = llm.detokenize([tokens[pos]]).decode("utf-8", "replace") if pos < len(tokens) else "?"
         pieces.append(f"{pos}:{piece!r}={total[i]:.3f}")
     print("most attended positions (layer-mean mass): " + ", ".join(pieces))
-    print(llm.kv_stats().summary())
+    print(_kv_line(llm))
     if tel.summary is not None:
         print(tel.summary.line())
     _write_telemetry(llm, args)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -119,6 +120,10 @@ class Llama(llama_cpp.Llama):
             self.input_ids = np.zeros(self._n_ctx, dtype=np.intc)
             if self._logits_all:
                 self.scores = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
+        if n_seq_max > 1:
+            # llama_cpp's methods run sequence 0, which has n_ctx/n_seq_max positions: its checks and its max_tokens
+            # cut follow them (a longer prompt failed in llama_decode, a generation past them too)
+            self._n_ctx = super().n_ctx() // n_seq_max
 
     def close(self) -> None:
         """Explicitly free the model from memory (also after a failed construction)."""
@@ -137,6 +142,17 @@ class Llama(llama_cpp.Llama):
         """The constructor's arguments (llama_cpp.Llama's pickling), the KV policy's among them."""
         return dict(super().__getstate__(), kv_policy=self._kv_policy.spec() if self._kv_policy is not None else None,
                     kv_reuse=self._kv_reuse, rpc_servers=self._rpc_servers, n_seq_max=self._n_seq_max)
+
+    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        # llama_cpp names the whole context's size where a prompt does not fit; with several sequences, a sequence's
+        # n_ctx/n_seq_max positions are the limit
+        try:
+            return (yield from super()._create_completion(*args, **kwargs))
+        except ValueError as exc:
+            msg = re.sub(r"exceed context window of \d+", f"exceed context window of {self._n_ctx}", str(exc))
+            if msg == str(exc):
+                raise
+            raise ValueError(msg) from exc
 
     def n_ctx(self) -> int:
         """The context's size in tokens (llama_cpp.Llama.n_ctx)."""

@@ -10,9 +10,8 @@ sampler reads the context's last logits), so requests on different views advance
 from __future__ import annotations
 
 import copy
-import re
 import threading
-from typing import Any, Generator, Iterator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 import numpy as np
 
@@ -117,16 +116,6 @@ class SequenceView(Llama):
             return super().sample(*args, **kwargs)
         finally:
             self._give()
-
-    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        # llama_cpp names the shared context's size where a prompt does not fit; this sequence's is the limit
-        try:
-            return (yield from super()._create_completion(*args, **kwargs))
-        except ValueError as exc:
-            msg = re.sub(r"exceed context window of \d+", f"exceed context window of {self._n_ctx}", str(exc))
-            if msg == str(exc):
-                raise
-            raise ValueError(msg) from exc
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
         """Generate tokens (llama_cpp.Llama.generate) in this view's sequence."""

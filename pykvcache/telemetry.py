@@ -513,6 +513,10 @@ class KVTelemetry:
             ax1.set_title(f"attention mass of the last {self.n_queries} queries, up to position {self.pos} (log10, head "
                           "mean; grey: not held by the layer)")
             fig.colorbar(im1, ax=ax1)
+        elif self.retained is not None and self.retained.size > 0:  # a policy that observes nothing: what it keeps
+            ax1.imshow(self.retained, aspect="auto", cmap=matplotlib.colors.ListedColormap(["#d9d9d9", "#1f77b4"]),
+                       origin="lower", interpolation="nearest", vmin=0, vmax=1)
+            ax1.set_title("positions held per layer (blue; no attention observed)")
         else:
             ax1.text(0.5, 0.5, "nothing observed yet", ha="center", va="center", transform=ax1.transAxes)
             ax1.set_title("attention mass")

@@ -173,6 +173,15 @@ def test_generate_writes_the_telemetry_of_its_last_step(tmp_path):
     np.testing.assert_allclose(mass.sum(axis=1), 1.0, atol=1e-3)
 
 
+def test_generate_says_when_the_context_ends_its_run(tmp_path):
+    """-n past the context's room stopped early with no word of why."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Rivers run to the sea and hills stand still. " * 18)
+    out = run("generate", "-f", str(prompt), "-n", "200", "-c", "256", "--policy", "snapkv:budget=64", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"stopped after \d+ of 200 tokens: the context's 256 positions are used", out.stderr), out.stderr
+
+
 def test_a_write_that_fails_at_the_end_is_one_line(tmp_path):
     out = run("generate", "-p", PROMPT, "-n", "2", "-c", "256", "--policy", "observe", "--json", "/dev/full")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr

@@ -124,6 +124,12 @@ def test_composition_errors_name_the_stage_or_key(spec, words):
         assert w in msg, msg
 
 
+def test_full_names_the_full_cache_as_in_kvbench():
+    """kvbench labels its reference `full`; the spec it prints parses in Python and the CLI too."""
+    assert parse_policy("full").spec() == "none"
+    assert parse_policy("full+sparse").spec() == parse_policy("none+sparse").spec()
+
+
 def test_a_preset_key_the_new_stage_reads_or_left_at_its_value_is_fine():
     """Only a changed value of a key nothing reads any more is refused: the new stage's own keys, a key another stage
     still reads, and the canonical string (every preset key at its value) parse."""

@@ -227,3 +227,22 @@ def test_embeddings_under_a_retention_policy_hold_one_sequence(model_path, spec)
     for text, g in zip(texts, got):  # each alone: llama-cpp-python 0.3.36 misreads the token vectors of a batch's
         assert np.array_equal(np.array(g), np.array(ref.embed(text)))  # later inputs when pooling is none
     ref.close()
+
+
+@pytest.mark.parametrize("spec", [None, "snapkv:budget=64"])
+def test_the_llama_methods_after_a_batch_run_sequence_0_in_its_own_positions(model_path, spec):
+    """After generate_batch of two prompts a retention policy left the last sequence selected: every llm(...) then
+    failed ('the prompt length can only be set while the cache is empty'). And llama_cpp's methods, which run
+    sequence 0, checked prompts against the whole context: a prompt past n_ctx/n_seq_max failed in llama_decode (or,
+    under a policy, ran past the sequence's positions)."""
+    llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    one = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, kv_policy=spec)
+    prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
+    llm.generate_batch(prompts, 4)
+    question = "The capital of France is"
+    assert llm(question, max_tokens=6, temperature=0)["choices"] == one(question, max_tokens=6, temperature=0)["choices"]
+    long = llm.tokenize((TEXTS[2] * 6).encode())
+    with pytest.raises(ValueError, match=f"exceed context window of {N_CTX_SEQ}"):
+        llm.create_completion(long[:N_CTX_SEQ + 50], max_tokens=4)
+    out = llm.create_completion(long[:N_CTX_SEQ - 12], max_tokens=30, temperature=0)
+    assert out["usage"]["total_tokens"] == N_CTX_SEQ and out["choices"][0]["finish_reason"] == "length"

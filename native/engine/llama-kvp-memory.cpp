@@ -1097,7 +1097,7 @@ void llama_kvp_memory::state_write(llama_io_write_i & io, llama_seq_id seq_id, l
 }
 
 void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    // llama.cpp logs the reason and returns a failure; the reason is also kept for the caller (llama_kvp_last_error)
+    // llama.cpp logs the reason and returns a failure; our reason is also kept for the caller (llama_kvp_last_error)
     llama_kvp_clear_error();
     try {
         if (n_seq() == 1) {
@@ -1124,7 +1124,9 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
             state_read_cur(io, -1, flags);
         }
     } catch (const std::exception & e) {
-        llama_kvp_set_error(e.what());
+        if (strncmp(e.what(), "pykvcache: ", 11) == 0) { // ours; llama.cpp's own ("failed to restore kv cache") say less
+            llama_kvp_set_error(e.what());
+        }
         throw;
     }
 }

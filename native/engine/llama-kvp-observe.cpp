@@ -329,8 +329,8 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
         throw llama_kvp_fail("policy '" + pname + "' does not support architecture '" + arch + "': multi-head latent attention (MLA) keeps no per-head keys");
     }
     if (kv && (llama_kvp_kv_access::n_stream(*kv) != 1 || cparams.n_seq_max != 1)) {
-        throw llama_kvp_fail("policy '" + pname + "' observes llama.cpp's own cache, which it supports with one sequence per context "
-                "(n_seq_max=1), got n_seq_max=" + std::to_string(cparams.n_seq_max) + "; retention policies take several");
+        throw llama_kvp_fail("policy '" + pname + "' runs on llama.cpp's own cache, which it supports with one sequence per context "
+                "(n_seq_max=1; a server's --n_parallel), got " + std::to_string(cparams.n_seq_max) + "; retention policies take several");
     }
     if ((uint32_t) policy.window > cparams.n_ctx_seq) {
         throw llama_kvp_fail("policy '" + pname + "': window=" + std::to_string(policy.window) +

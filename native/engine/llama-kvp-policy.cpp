@@ -498,7 +498,7 @@ int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out)
         const std::string name  = llama_kvp_trim(parts[i].substr(0, colon));
         const std::string items = colon == std::string::npos ? "" : parts[i].substr(colon + 1);
         if (i == 0) {
-            preset = llama_kvp_preset_by_name(name);
+            preset = llama_kvp_preset_by_name(name == "full" ? "none" : name); // kvbench's name of the full cache
             if (!preset) {
                 llama_kvp_set_error("unknown policy '" + name + "' (accepted: " + llama_kvp_preset_names() + "; stages follow with '+')");
                 return -1;
