@@ -227,7 +227,8 @@ static void kvbench_usage(const char * argv0) {
     printf("policy host time (md: a table of its own; host_ms_* in json, per repetition): the time the policy's own code took\n");
     printf("on the host around llama.cpp's graphs (llama_kvp_perf), for the prompt and per decoded token, by part: prepare\n");
     printf("(budgets, scores, evictions, the fate stage's work), slots (each layer's cells for the ubatch), inputs (per-layer\n");
-    printf("masks and cell indices, the observation's inputs); `x step` is its share of the mean decode step.\n");
+    printf("masks and cell indices, the observation's inputs), settle (a prompt's end settled after its last ubatch, summarise);\n");
+    printf("host_ms_tg_parts lists the four in that order; `x step` is its share of the mean decode step.\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);
@@ -777,8 +778,8 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
             kvbench_opt(mem, (double) r.kv_bytes, "%.0f", "null").c_str(),
             kvbench_opt(mem, (double) r.kv_bytes_peak, "%.0f", "null").c_str(),
             kvbench_json_list(r.kv_layer_bytes).c_str(), kvbench_json_list(r.kv_layer_cells).c_str(), sep);
-    printf("\"n_evicted\": %" PRId64 ", \"obs_overhead\": %.4f, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,%s",
-            r.n_evicted, r.obs_overhead, r.n_obs_steps, r.n_gen_steps, r.n_gen_reused, sep);
+    printf("\"n_evicted\": %" PRId64 ", \"obs_overhead\": %s, \"n_obs_steps\": %d, \"n_gen_steps\": %d, \"n_gen_reused\": %d,%s",
+            r.n_evicted, kvbench_fig(r.tg_ts, r.obs_overhead, "%.4f", "null").c_str(), r.n_obs_steps, r.n_gen_steps, r.n_gen_reused, sep);
     printf("\"pp_ratio\": %s, \"tg_ratio\": %s, \"kv_ratio\": %s, \"kv_peak_ratio\": %s,%s",
             kvbench_opt(r.has_ref && !r.pp_ts.empty(), r.pp_ratio, "%.4f", "null").c_str(),
             kvbench_opt(r.has_ref && !r.tg_ts.empty(), r.tg_ratio, "%.4f", "null").c_str(),
@@ -791,8 +792,9 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
             kvbench_opt(r.summarise, r.sum_bins, "%.1f", "null").c_str(), kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "null").c_str(),
             kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "null").c_str(), sep);
     printf("\"host_ms_pp\": %s, \"host_ms_tg\": %s, \"host_ms_tg_parts\": %s,%s",
-            kvbench_opt(r.perf, r.perf_ms_pp, "%.3f", "null").c_str(), kvbench_opt(r.perf, kvbench_perf_tg(r), "%.3f", "null").c_str(),
-            r.perf ? kvbench_json_list(std::vector<double>(r.perf_tg, r.perf_tg + 4)).c_str() : "null", sep);
+            kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "null").c_str(),
+            kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "null").c_str(),
+            r.perf && !r.tg_ts.empty() ? kvbench_json_list(std::vector<double>(r.perf_tg, r.perf_tg + 4)).c_str() : "null", sep);
     printf("\"limit_depth\": %s, \"limit_tg_ts\": %s, \"limit_tg_ts_sd\": %s, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %s,"
            " \"density\": %.4f}%s\n",
             kvbench_opt(lim, r.limit_depth, "%.0f", "null").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "null").c_str(),

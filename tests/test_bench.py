@@ -145,6 +145,8 @@ def test_kvbench_lists_with_an_empty_pair_paths_with_tabs_and_a_failed_write(mod
     doc = json.loads(p.stdout)
     assert doc["tokens"] == str(text)
     assert sorted((r["n_prompt"], r["n_gen"]) for r in doc["results"] if r["label"] == "full") == [(0, 2), (32, 0), (32, 2)]
+    prompt_only = [r for r in doc["results"] if r["n_gen"] == 0]
+    assert prompt_only and all(r["obs_overhead"] is None and r["host_ms_tg"] is None for r in prompt_only)  # not 0
     with open("/dev/full", "w") as full:
         p = subprocess.run([str(cli.kvbench_path()), "--no-progress", "-p", "32", "-n", "2", "-r", "1", "-t", "1",
                             "--policy", "full", "-m", model_path], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
