@@ -9,6 +9,7 @@ from typing import Any, Iterator, List, Sequence
 import numpy as np
 
 from ._native import import_llama_cpp, last_error, native
+from .checks import check_token_ids
 from .policies import PolicyError
 
 llama_cpp = import_llama_cpp()
@@ -53,6 +54,8 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
         raise ValueError("generate_batch: every prompt needs at least one token")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    for p in prompts:  # before any sequence is cleared (a bad id failed in llama_decode, "see the log")
+        check_token_ids(p, llm.n_vocab())
     n_ctx_seq = llm.n_ctx() // n_seq
     longest = max(len(p) for p in prompts) + max_tokens
     if longest > n_ctx_seq:

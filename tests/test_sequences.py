@@ -246,3 +246,5 @@ def test_the_llama_methods_after_a_batch_run_sequence_0_in_its_own_positions(mod
         llm.create_completion(long[:N_CTX_SEQ + 50], max_tokens=4)
     out = llm.create_completion(long[:N_CTX_SEQ - 12], max_tokens=30, temperature=0)
     assert out["usage"]["total_tokens"] == N_CTX_SEQ and out["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(ValueError, match="token id 99999999 is outside the vocabulary"):  # "see the log", no log
+        llm.generate_batch([prompts[0], [1, 99999999]], 2)

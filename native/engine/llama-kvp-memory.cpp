@@ -1115,6 +1115,9 @@ void llama_kvp_memory::state_read(llama_io_read_i & io, llama_seq_id seq_id, lla
         }
         uint32_t hdr[2] = {};
         io.read(hdr, sizeof(hdr));
+        if (hdr[0] != LLAMA_KVP_STATE_MAGIC_SEQS && hdr[0] != LLAMA_KVP_STATE_MAGIC) {
+            throw std::runtime_error("pykvcache: this state was not saved by a context with a retention policy (per-layer KV cache)");
+        }
         if (hdr[0] != LLAMA_KVP_STATE_MAGIC_SEQS || hdr[1] != n_seq()) {
             throw std::runtime_error("pykvcache: this state holds " + std::string(hdr[0] == LLAMA_KVP_STATE_MAGIC_SEQS ? std::to_string(hdr[1]) : "1") +
                     " sequence(s), this context holds " + std::to_string(n_seq()) + " (n_seq_max)");
