@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=4096, help="document + question tokens (default: 4096)")
     p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the document, 0..1 (default: 0.4)")
     p.add_argument("-m", "--model", default=None, help="GGUF model path (default: the embedded SmolLM2-135M Q4_1)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-cpp-python's, half the cores to generate and all of them for the prompt)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU threads (default: llama-cpp-python's, half the cores to generate and all of them for the prompt)")
     p.add_argument("--plot", default=None, help="write the policy's attention telemetry plot here (.png, .svg, .pdf or .jpg)")
 
 
@@ -97,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
           f"(peak {p['bytes_peak'] / f['bytes_peak']:.0%}), evicted {p['n_evicted']} token-layers, "
           f"and took {p['seconds'] / f['seconds']:.2f}x the full cache's time.")
     if p["host_peak"] > 0:  # the host tier's tokens or summarise's pending bins: host memory beside the cache
+        both = (p["bytes_peak"] + p["host_peak"]) / f["bytes_peak"]
         print(f"Besides the cache it held up to {p['host_peak'] / 2**20:.1f} MiB of host memory (the host tier's tokens "
-              f"or summarise's pending bins): cache and host together at most {(p['bytes_peak'] + p['host_peak']) / f['bytes_peak']:.0%} "
-              f"of the full cache's peak.")
+              f"or summarise's pending bins): cache and host together at most {both:.0%} of the full cache's peak.")
     if args.plot:
         p["llm"].kv_telemetry().plot(args.plot)
         print(f"telemetry plot (attention entropy per layer x head, attention mass per layer x position): {args.plot}")
