@@ -361,10 +361,7 @@ static std::string kvbench_spec(const std::string & spec, llama_kvp_policy & pol
     if (llama_kvp_policy_parse(s.c_str(), &pol) != 0) {
         throw std::invalid_argument(std::string("--policy ") + spec + ": " + llama_kvp_last_error());
     }
-    std::string buf(llama_kvp_policy_to_string(&pol, nullptr, 0) + 1, '\0');
-    llama_kvp_policy_to_string(&pol, buf.data(), buf.size());
-    buf.resize(buf.size() - 1);
-    return kvbench_is_full(pol) ? "full" : buf;
+    return kvbench_is_full(pol) ? "full" : kvp_tool_policy_str(pol);
 }
 
 static void kvbench_mean_sd(const std::vector<double> & v, double & mean, double & sd) {
@@ -509,7 +506,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         if (r.n_prompt > 0) {
             llama_synchronize(ctx);
             const double t0 = kvbench_now();
-            const int64_t n_ev0 = kvbench_n_evicted(ctx);
+            const int64_t n_ev0 = latent_at_end ? kvbench_n_evicted(ctx) : 0;
             kvp_tool_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
             if (latent_at_end && r.n_prompt > 1) {
                 const bool pruned = r.n_depth > 0 || kvbench_n_evicted(ctx) > n_ev0;
@@ -708,23 +705,6 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
 // output
 //
 
-static std::string kvbench_json_str(const std::string & s) {
-    std::string res = "\"";
-    for (char c : s) {
-        if (c == '"' || c == '\\') {
-            res += '\\';
-            res += c;
-        } else if ((unsigned char) c < 0x20) { // a tab or a newline in a path: escaped, so the JSON stays JSON
-            char esc[8];
-            snprintf(esc, sizeof(esc), "\\u%04x", (unsigned) (unsigned char) c);
-            res += esc;
-        } else {
-            res += c;
-        }
-    }
-    return res + "\"";
-}
-
 template <typename T>
 static std::string kvbench_json_list(const std::vector<T> & v) {
     std::ostringstream os;
@@ -767,7 +747,7 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     const bool mem = !r.kv_layer_bytes.empty();
     printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,"
            " \"type_k\": \"%s\", \"type_v\": \"%s\",%s",
-            head.c_str(), kvbench_json_str(r.policy).c_str(), kvbench_json_str(r.label).c_str(), kvbench_json_str(r.spec).c_str(),
+            head.c_str(), kvp_tool_json_str(r.policy).c_str(), kvp_tool_json_str(r.label).c_str(), kvp_tool_json_str(r.spec).c_str(),
             r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(),
             ggml_type_name(r.type_k), ggml_type_name(r.type_v), sep);
     printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
@@ -806,16 +786,16 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
 static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
                           const std::vector<kvbench_result> & limits) {
     char run[4096];
-    const std::string rpc = params.rpc.empty() ? "null" : kvbench_json_str(params.rpc);
+    const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps,
-            params.n_batch, params.seed, kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+            kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps,
+            params.n_batch, params.seed, kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvbench_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps);
+                kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps);
         printf("  \"n_batch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch, params.seed,
-                kvbench_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+                kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
             printf("    ");
             kvbench_print_json_row(results[i], "", "\n     ", i + 1 == results.size() ? "" : ",");

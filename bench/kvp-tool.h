@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <random>
@@ -24,6 +25,32 @@
 #include <sys/time.h>
 #include <unistd.h>
 #endif
+
+// a string as a JSON string: quotes and backslashes escaped, control characters (a tab or a newline in a path) as \u00XX
+static inline std::string kvp_tool_json_str(const std::string & s) {
+    std::string res = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            res += '\\';
+            res += c;
+        } else if ((unsigned char) c < 0x20) {
+            char esc[8];
+            snprintf(esc, sizeof(esc), "\\u%04x", (unsigned) (unsigned char) c);
+            res += esc;
+        } else {
+            res += c;
+        }
+    }
+    return res + "\"";
+}
+
+// the canonical spec of a policy, whatever its length
+static inline std::string kvp_tool_policy_str(const llama_kvp_policy & pol) {
+    std::string res(llama_kvp_policy_to_string(&pol, nullptr, 0) + 1, '\0');
+    llama_kvp_policy_to_string(&pol, res.data(), res.size());
+    res.resize(res.size() - 1);
+    return res;
+}
 
 // "N[,N..]": integers >= min_value; throws with a message naming the flag
 static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {

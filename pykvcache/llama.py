@@ -715,19 +715,22 @@ class Llama(llama_cpp.Llama):
                               f"{info.pos_entropy}): this policy's decode observations keep the head mean only; call "
                               f"kv_observe_next() before a step to have the per-head mass of that step's window")
         entropy = np.zeros((n_layer, n_head), dtype=np.float32)
-        mass_h = np.zeros((n_layer, n_head, n_cells), dtype=np.float32)
+        # the per-head mass (n_head times the head mean's size) only where it is asked for or gives one query's entropy
+        one_query_entropy = info.n_obs_entropy != info.n_obs and heads_fresh and info.n_queries == 1
+        mass_h = np.zeros((n_layer, n_head, n_cells) if per_head or one_query_entropy else (0,), dtype=np.float32)
         mass = np.zeros((n_layer, n_cells), dtype=np.float32)
         mass_acc = np.zeros((n_layer, n_cells), dtype=np.float32)
         cell_pos = np.zeros((n_layer, n_cells), dtype=np.int32)
-        for fn, arr in ((lib.llama_kvp_obs_entropy, entropy), (lib.llama_kvp_obs_mass, mass_h),
-                        (lib.llama_kvp_obs_mass_last, mass), (lib.llama_kvp_obs_mass_acc, mass_acc)):
+        reads = [(lib.llama_kvp_obs_entropy, entropy), (lib.llama_kvp_obs_mass_last, mass),
+                 (lib.llama_kvp_obs_mass_acc, mass_acc)] + ([(lib.llama_kvp_obs_mass, mass_h)] if mass_h.size else [])
+        for fn, arr in reads:
             if fn(ctx, ffi.cast("float *", ffi.from_buffer(arr)), arr.size) < 0:
                 raise RuntimeError(last_error())
         if lib.llama_kvp_obs_cell_pos(ctx, ffi.cast("int32_t *", ffi.from_buffer(cell_pos)), cell_pos.size) < 0:
             raise RuntimeError(last_error())
 
         entropy_pos = int(info.pos_entropy)
-        if info.n_obs_entropy != info.n_obs and heads_fresh and info.n_queries == 1:
+        if one_query_entropy:
             # one query (h2o's window): the entropy of each head's attention is that of its mass, which is fresh
             p = mass_h.astype(np.float64)
             entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2).astype(np.float32)
@@ -736,13 +739,14 @@ class Llama(llama_cpp.Llama):
         # one column per position held by any layer at the last observation (0 where a layer does not hold it)
         positions = np.unique(cell_pos[cell_pos >= 0]).astype(np.int64)
         col = {int(p): i for i, p in enumerate(positions)}
-        mass_pos_h = np.zeros((n_layer, n_head, positions.size), dtype=np.float32)
+        mass_pos_h = np.zeros((n_layer, n_head, positions.size), dtype=np.float32) if per_head else None
         mass_pos = np.zeros((n_layer, positions.size), dtype=np.float32)
         acc_pos = np.zeros((n_layer, positions.size), dtype=np.float32)
         for layer in range(n_layer):
             cells = np.nonzero(cell_pos[layer] >= 0)[0]
             cols = np.array([col[int(p)] for p in cell_pos[layer, cells]], dtype=np.int64)
-            mass_pos_h[layer][:, cols] = mass_h[layer][:, cells]
+            if mass_pos_h is not None:
+                mass_pos_h[layer][:, cols] = mass_h[layer][:, cells]
             mass_pos[layer, cols] = mass[layer, cells]
             acc_pos[layer, cols] = mass_acc[layer, cells]
         return KVTelemetry(
@@ -753,7 +757,7 @@ class Llama(llama_cpp.Llama):
             window=int(info.window),
             n_queries=int(info.n_queries),
             n_obs=int(info.n_obs),
-            mass_per_head=mass_pos_h if per_head else None,
+            mass_per_head=mass_pos_h,
             pos=int(info.pos_last),
             entropy_pos=entropy_pos,
             **common,

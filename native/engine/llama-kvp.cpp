@@ -181,7 +181,7 @@ int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info
 // copies one result tensor of every layer into out (layer-major), zeroing the cells past the last observation
 static int32_t llama_kvp_obs_read(
         llama_context * ctx, llama_kvp_context * st, float * out, size_t n, ggml_tensor * llama_kvp_obs_layer::* member,
-        int64_t per_layer, int64_t n_rows, int64_t row_len, bool by_cell) {
+        int64_t per_layer, int64_t n_rows, int64_t row_len, bool by_cell, int64_t row0 = 0) {
     const size_t need = st->layers.size()*(size_t) per_layer;
     if (!out || n < need) {
         llama_kvp_set_error("output buffer too small: need " + std::to_string(need) + " floats");
@@ -195,7 +195,7 @@ static int32_t llama_kvp_obs_read(
         for (int64_t r = 0; r < n_rows; ++r) {
             float * row = dst + r*row_len;
             if (n_valid > 0) {
-                ggml_backend_tensor_get(t, row, r*t->nb[1], n_valid*sizeof(float));
+                ggml_backend_tensor_get(t, row, (row0 + r)*t->nb[1], n_valid*sizeof(float));
             }
             for (int64_t j = n_valid; j < row_len; ++j) {
                 row[j] = 0.0f;
@@ -226,19 +226,8 @@ int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, size_t 
     if (!st) {
         return -1;
     }
-    // the second of mass_acc's rows, by way of the first two
-    std::vector<float> two(2*st->layers.size()*(size_t) st->n_cells);
-    const int32_t res = llama_kvp_obs_read(ctx, st, two.data(), two.size(), &llama_kvp_obs_layer::mass_acc, 2*st->n_cells, 2, st->n_cells, true);
-    if (res < 0 || !out || n < st->layers.size()*(size_t) st->n_cells) {
-        if (res >= 0) {
-            llama_kvp_set_error("output buffer too small: need " + std::to_string(st->layers.size()*(size_t) st->n_cells) + " floats");
-        }
-        return -1;
-    }
-    for (size_t l = 0; l < st->layers.size(); ++l) {
-        std::copy_n(two.data() + (2*l + 1)*st->n_cells, st->n_cells, out + l*st->n_cells);
-    }
-    return (int32_t) (st->layers.size()*(size_t) st->n_cells);
+    // the second of mass_acc's rows
+    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true, 1);
 }
 
 int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n) {

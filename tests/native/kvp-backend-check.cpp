@@ -266,17 +266,6 @@ static void check_jaccard_layers(const std::vector<std::vector<int32_t>> & a, co
     mean /= a.size();
 }
 
-static std::string check_json_str(const std::string & s) {
-    std::string r = "\"";
-    for (char c : s) {
-        if (c == '"' || c == '\\') {
-            r += '\\';
-        }
-        r += c;
-    }
-    return r + "\"";
-}
-
 static void check_log_quiet(enum ggml_log_level level, const char * text, void * user_data) {
     (void) user_data;
     if (level == GGML_LOG_LEVEL_ERROR) {
@@ -343,12 +332,11 @@ int main(int argc, char ** argv) {
 
     int rc = 0;
     printf("{\n  \"gpu\": %s,\n  \"n_gpu_layers\": %d,\n  \"n_prompt\": %d,\n  \"n_gen\": %d,\n  \"perturb\": %s,\n  \"max_kl\": %g,\n  \"min_jaccard\": %g,\n  \"policies\": [\n",
-           gpu ? check_json_str(gpu_name).c_str() : "null", gpu ? params.n_gpu_layers : 0, params.n_prompt, params.n_gen, params.perturb ? "true" : "false",
+           gpu ? kvp_tool_json_str(gpu_name).c_str() : "null", gpu ? params.n_gpu_layers : 0, params.n_prompt, params.n_gen, params.perturb ? "true" : "false",
            params.max_kl, params.min_jaccard);
     for (size_t k = 0; k < pols.size(); ++k) {
         const llama_kvp_policy & pol = pols[k];
-        char name[512];
-        llama_kvp_policy_to_string(&pol, name, sizeof(name));
+        const std::string name = kvp_tool_policy_str(pol);
         llama_kvp_policy pol_other = pol;
         if (params.perturb && pol.budget > 0.0f) {
             // a fraction of the prompt, or a token count (one a budget that small cannot lose stays as it is)
@@ -358,7 +346,7 @@ int main(int argc, char ** argv) {
             }
         }
         const bool perturbed = pol_other.budget != pol.budget;
-        fprintf(stderr, "kvp-backend-check: %s\n", name);
+        fprintf(stderr, "kvp-backend-check: %s\n", name.c_str());
         std::string line;
         try {
             const std::vector<llama_token> prompt = kvp_tool_tokens(llama_model_get_vocab(model_cpu), params.text_file, 42, params.n_prompt);
@@ -387,12 +375,12 @@ int main(int argc, char ** argv) {
             rc = pass ? rc : 1;
             char buf[1024];
             snprintf(buf, sizeof(buf),
-                     "    {\"policy\": %s, \"kl_prompt\": %.6g, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1\": %.4f, "
+                     ", \"kl_prompt\": %.6g, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1\": %.4f, "
                      "\"jaccard_prompt_mean\": %.4f, \"jaccard_prompt_min\": %.4f, \"jaccard_end_mean\": %.4f, "
                      "\"jaccard_end_min\": %.4f, \"n_layers\": %zu, \"perturbed\": %s, \"pass\": %s}",
-                     check_json_str(name).c_str(), kl_prompt, kl_mean, kl_max, (double) n_top1/a.logits.size(),
+                     kl_prompt, kl_mean, kl_max, (double) n_top1/a.logits.size(),
                      jp_mean, jp_min, je_mean, je_min, a.pos_prompt.size(), perturbed ? "true" : "false", pass ? "true" : "false");
-            line = buf;
+            line = "    {\"policy\": " + kvp_tool_json_str(name) + buf; // the spec whole, whatever its length
             if (a.summarises && b.summarises) {
                 // where the two sides' bins differ (the fits' own figures; centroids are placed per bin)
                 line.pop_back();
@@ -407,7 +395,7 @@ int main(int argc, char ** argv) {
             }
         } catch (const std::exception & e) {
             rc = 1;
-            line = "    {\"policy\": " + check_json_str(name) + ", \"error\": " + check_json_str(e.what()) + ", \"pass\": false}";
+            line = "    {\"policy\": " + kvp_tool_json_str(name) + ", \"error\": " + kvp_tool_json_str(e.what()) + ", \"pass\": false}";
         }
         printf("%s%s\n", line.c_str(), k + 1 < pols.size() ? "," : "");
         fflush(stdout);
