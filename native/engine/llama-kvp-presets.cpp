@@ -112,7 +112,7 @@ static void llama_kvp_make_freeze(llama_kvp_policy & p) {
     p.rewalk     = 0;
     p.span       = 16;
     p.limit      = 0;
-    p.gap        = -1; // no latent re-ranking (freeze:gap=N adds it)
+    p.gap        = -1; // no latent re-ranking (the schedule's key: freeze+freeze:gap=N adds it)
     p.repeat     = 0;
 }
 

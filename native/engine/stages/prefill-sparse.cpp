@@ -43,7 +43,7 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     void defaults(llama_kvp_policy & p) const override {
         p.segment   = 32;   // 32/32 found every needle dense found (20 cases at 8k), 64/64 missed one (docs/NOTES.md)
         p.block     = 32;
-        p.base      = 512;  // 2.0x dense at 8k on 2 cores with KL 0.006 (docs/NOTES.md); 1024: 1.9x, KL 0.002
+        p.base      = 512;  // 2.15x dense at 8k on 2 cores, KL 0.0072 (docs/RESULTS.md); 1024 with 64/64 blocks: 1.9x, KL 0.002
         p.e_t       = 0.5f;
         p.alpha     = 1.0f;
         p.delta_t   = 0.1f;
