@@ -124,6 +124,22 @@ def test_composition_errors_name_the_stage_or_key(spec, words):
         assert w in msg, msg
 
 
+@pytest.mark.parametrize("spec", ["freeze:gap=5", "snapkv:decay=0.5", "h2o:window=4", "snapkv+host:gap=1"])
+def test_a_key_of_a_stage_given_to_the_preset_says_how_to_give_it(spec):
+    """A preset does not take every key its stages read; the error names the stage and a spec that does take it."""
+    with pytest.raises(PolicyError) as exc:
+        parse_policy(spec)
+    msg = str(exc.value)
+    key = spec.rsplit(":", 1)[1].split("=")[0]
+    assert f"unknown key '{key}'" in msg and f"'{key}' is a key of the stage" in msg, msg
+    fix = msg.rsplit("add it as '", 1)[1].rstrip("'")
+    fixed = spec.rsplit(":", 1)[0] + fix  # the part without the key, then the stage that takes it
+    assert f"{key}=" in parse_policy(fixed).spec()
+    with pytest.raises(PolicyError) as exc:
+        parse_policy("snapkv:foo=1")
+    assert "is a key of" not in str(exc.value)  # no stage reads it: no hint
+
+
 def test_full_names_the_full_cache_as_in_kvbench():
     """kvbench labels its reference `full`; the spec it prints parses in Python and the CLI too."""
     assert parse_policy("full").spec() == "none"

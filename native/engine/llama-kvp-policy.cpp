@@ -370,6 +370,26 @@ static std::string llama_kvp_bad_value(const std::string & key, const std::strin
     return "'" + val + "' is not " + kind;
 }
 
+// where a key a part does not take is read by a stage: how to give it to that stage ("" if no stage reads it); the
+// stage already in its slot of p comes first (naming it again keeps the preset's values)
+static std::string llama_kvp_key_hint(const std::string & key, const std::string & val, const llama_kvp_policy & p) {
+    std::vector<const llama_kvp_stage *> readers;
+    for (const auto * st : llama_kvp_stage_all()) {
+        if (llama_kvp_list_has(st->keys, key)) {
+            readers.insert(p.stage[st->slot] == st->id ? readers.begin() : readers.end(), st);
+        }
+    }
+    if (readers.empty()) {
+        return "";
+    }
+    std::string names;
+    for (const auto * st : readers) {
+        names += std::string(names.empty() ? "'" : ", '") + st->name + "' (" + llama_kvp_slot_name(st->slot) + ")";
+    }
+    return "; '" + key + "' is a key of the stage " + names + ": add it as '+" + readers[0]->name + ":" + key + "=" +
+        (val.empty() ? "..." : val) + "'";
+}
+
 // applies "key=value,..." to p; `accepted` are the keys this part takes, `what` names the part in errors; the keys
 // given are appended to `seen`
 static bool llama_kvp_apply_keys(const std::string & items, const char * accepted, const std::string & what, llama_kvp_policy & p,
@@ -392,7 +412,8 @@ static bool llama_kvp_apply_keys(const std::string & items, const char * accepte
 
         const llama_kvp_key_info * kinfo = llama_kvp_list_has(accepted, key) ? llama_kvp_key_find(key) : nullptr;
         if (!kinfo) {
-            llama_kvp_set_error("unknown key '" + key + "' for " + what + " (accepted: " + (*accepted ? accepted : "none") + ")");
+            llama_kvp_set_error("unknown key '" + key + "' for " + what + " (accepted: " + (*accepted ? accepted : "none") + ")" +
+                    llama_kvp_key_hint(key, val, p));
             return false;
         }
         if (std::find(seen.begin() + n_before, seen.end(), key) != seen.end()) {
