@@ -100,7 +100,7 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
     stats = llama.kv_stats()
     res: Dict[str, Any] = {
         "policy": pol.spec() if pol is not None else None,
-        "kv_reuse": llama._kv_reuse,
+        "kv_reuse": llama._kv_reuse if pol is not None and (pol.retains or pol.sparse) else None,
         "n_ctx": llama.n_ctx(),
         "n_tokens": int(llama.n_tokens),
         "kv_bytes": stats.total_bytes,
@@ -112,6 +112,18 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
         res["kv_bytes_peak"] = mem.bytes_peak
         res["budget"] = mem.budget
         res["n_evicted"] = mem.n_evicted
+        # host memory beside the cache (not in kv_bytes): the host tier's tokens or summarise's pending bins
+        res["host_bytes"] = mem.host_bytes
+        res["host_bytes_peak"] = mem.host_bytes_peak
+        fate = pol.describe()["stages"].get("fate")
+        if fate == "host":
+            h = llama.kv_host()
+            res["host"] = {k: getattr(h, k) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict",
+                                                        "n_dropped", "n_rerank")}
+        elif fate == "summarise":
+            sm = llama.kv_summary()
+            res["summarise"] = {k: getattr(sm, k) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback",
+                                                             "n_dropped", "fit_err")}
         for row, b in zip(res["layers"], mem.layers):
             row["budget"] = b.budget
             row["entropy"] = b.entropy

@@ -380,3 +380,32 @@ def test_serve_help_reads_clean():
     text = " ".join(build_parser().format_help().split())
     assert "PydanticUndefined" not in text and text.count("kv-policy") == 1  # --kv-policy: --kv_policy's alias
     assert "embedded SmolLM2" in text and "multiple of 256" in text
+
+
+@pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
+                                         ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
+                                         (None, None)])
+def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block):
+    """The stats route gives the host tier's or summarise's host memory (not in kv_bytes) and their counters."""
+    from conftest import PROSE
+
+    import pykvcache
+    from pykvcache.server import kv_stats_of
+
+    llm = pykvcache.Llama(model_path, n_ctx=512, kv_policy=spec, n_threads=1, n_threads_batch=1, verbose=False)
+    try:
+        llm.create_completion(PROSE * 4, max_tokens=4, temperature=0)
+        m = json.loads(json.dumps(kv_stats_of(llm)))  # JSON-ready
+        if spec is None:
+            assert m["kv_reuse"] is None and "host_bytes" not in m  # llama-cpp-python's own reuse, no host tier
+            return
+        mem = llm.kv_memory()
+        assert m["kv_reuse"] == "exact" and m["host_bytes"] == mem.host_bytes > 0
+        assert m["host_bytes_peak"] == mem.host_bytes_peak >= mem.host_bytes
+        if block == "host":
+            assert m["host"]["n_host"] == llm.kv_host().n_host > 0 and m["host"]["n_evict"] > 0
+        else:
+            s = llm.kv_summary()
+            assert m["summarise"]["n_bins"] == s.n_bins > 0 and m["summarise"]["n_centroids"] == s.n_centroids
+    finally:
+        llm.close()
