@@ -101,7 +101,8 @@ class EvalConfig:
         for p in self.policies:
             if p.partition("+")[0].partition(":")[0] not in POLICIES:
                 raise EvalError(f"unknown policy '{p}' (known: {', '.join(POLICIES)}, each with its keys, e.g. entropy:topk_share=0.9)")
-            if "budget=" in p.partition("+")[0] or (p.startswith("sink_recent") and "n_recent=" in p):
+            keys = [item.partition("=")[0].strip() for part in p.split("+") for item in part.partition(":")[2].split(",")]
+            if "budget" in keys or (p.startswith("sink_recent") and "n_recent" in keys):
                 raise EvalError(f"policy '{p}' sets its own budget: the budgets are the evaluation's sweep (--budgets)")
             try:
                 parse_policy(policy_spec(p, 64))
@@ -287,7 +288,8 @@ class Runner:
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(tokens), self.n_vocab)).copy()
 
     def last_logits(self) -> np.ndarray:
-        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,)).copy()
+        """Logits of the last token decoded (the last row after a chunk with every token's logits)."""
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,)).copy()
 
     def greedy(self, n: int, bytes_trace: Optional[List[int]] = None) -> List[int]:
         out = []

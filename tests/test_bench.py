@@ -224,6 +224,25 @@ def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
     assert "| full | - | 0.0000 |" in markdown(res)
 
 
+def test_harness_greedy_agreement_continues_from_the_last_token(model_path):
+    """The greedy continuation of the agreement column starts from the streamed text's last token, not from the first
+    token of its last chunk (the row llama_get_logits gives after a chunk with every token's logits)."""
+    from pykvcache import corpus
+    from pykvcache.evaluate import Runner
+
+    cfg = EvalConfig(threads=1, model_path=model_path)
+    r = Runner(None, cfg, reference=True, n_ctx=512)
+    try:
+        tokens = r.llm.tokenize(corpus.essays()[0].encode())[:240]
+        r.reset()
+        r.prefill(tokens[:-16])
+        rows = r.logits_chunk(tokens[-16:])
+        assert np.argmax(rows[-1]) != np.argmax(rows[0])  # the text tells the two rows apart
+        assert r.greedy(1) == [int(np.argmax(rows[-1]))]
+    finally:
+        r.close()
+
+
 def test_harness_with_a_prefill_mode(model_path):
     # every policy but the full cache gets the sparse prefill stage, and the full cache with it alone is one more row
     cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
@@ -323,6 +342,10 @@ def test_harness_pieces():
     ({"policies": ["snapkv+sparse"], "prefill": "sparse"},
      "policy 'snapkv.sparse' with --prefill sparse: two stages for the prefill slot"),
     ({"threads": 100000}, "-t/--threads must be 1 to 512"),
+    # a budget given to a stage ran every row at it, under the sweep's labels; a key without a value too
+    ({"policies": ["snapkv+entropy:budget=100"]}, "sets its own budget"),
+    ({"policies": ["snapkv+uniform:budget=0.2"]}, "sets its own budget"),
+    ({"policies": ["snapkv:budget"]}, "sets its own budget"),
 ])
 def test_harness_invalid_settings(kwargs, message):
     with pytest.raises(EvalError, match=message.replace("[", r"\[").replace("]", r"\]")):
