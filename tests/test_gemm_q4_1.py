@@ -1,6 +1,8 @@
 """The tiled Q4_1 matmul of prompt ubatches (native/kernels/gemm-q4_1-cpu.cpp): the installed gemm-q4_1-check binary
 runs GGML_OP_MUL_MAT with Q4_1 weights on random shapes through the CPU backend and compares every value with ggml's
-own vec_dot, bit for bit; the default model's prompt logits do not depend on whether the kernel is on."""
+own vec_dot, bit for bit, and the kernel's call counter shows the matmul really went through it (with the kernel off,
+or were patch 0006's dispatch lost, both sides would be vec_dot and agree); the default model's prompt logits do not
+depend on whether the kernel is on."""
 
 from __future__ import annotations
 
@@ -31,6 +33,22 @@ def test_tiled_q4_1_matmul_equals_vec_dot_bit_for_bit(cases, seed):
     assert out["cases"] == cases and out["values"] > 0
     assert out["fail"] == 0 and out["differ"] == 0, out["failures"]
     assert p.returncode == 0, p.stderr[-2000:]
+    # the matmul side really ran the kernel (one call per product, every case), the vec_dot reference never did
+    calls = out["kernel_calls"]
+    assert calls["reference"] == 0
+    if X86_64:
+        assert calls["mul_mat"] >= cases > 0 and out["cases_in_kernel"] == cases, out
+    else:
+        assert calls["mul_mat"] == 0 and out["cases_in_kernel"] == 0, out
+
+
+def test_q4_1_matmul_with_the_kernel_off_is_vec_dot_and_never_enters_it():
+    p = check("--cases", "12", "--seed", "3", "--threads", "2", env={"GGML_CPU_TILED_MM": "0"})
+    out = json.loads(p.stdout)
+    assert out["tiled"] is False
+    assert out["fail"] == 0 and out["differ"] == 0, out["failures"]
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert out["kernel_calls"] == {"mul_mat": 0, "reference": 0} and out["cases_in_kernel"] == 0
 
 
 def test_gemm_check_help_bench_and_bad_arguments():
@@ -44,6 +62,8 @@ def test_gemm_check_help_bench_and_bad_arguments():
     for mm, tiled in (("1", X86_64), ("0", False)):
         out = json.loads(check("--bench", "--threads", "1", env={"GGML_CPU_TILED_MM": mm}).stdout)
         assert out["tiled"] is tiled
+        # every shape's runs went through the kernel when it is on, none when it is off
+        assert (out["calls"] >= 5) if tiled else (out["calls"] == 0), out
         assert [s["name"] for s in out["shapes"]] == ["attn_q", "attn_k", "attn_out", "ffn_up", "ffn_down"]
         assert all(s["ms"] > 0 for s in out["shapes"])
 

@@ -100,11 +100,33 @@ def test_truncation_into_evicted_positions_continues(model_path):
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p + 9
 
 
+def snapshot(llm):
+    """What a state holds of the cache: the retained map, each layer's budget and cells in use, the tokens (the
+    logits of the next step tell the rest; llama-cpp-python's load_state leaves llama.cpp's last logits as they were)."""
+    mem = llm.kv_memory()
+    return (llm.kv_retained().tolist(), [(b.budget, b.n_used, b.n_evicted) for b in mem.layers], llm.n_tokens)
+
+
+def next_logits(llm, tok):
+    llm.eval([tok])
+    return last_logits(llm).tolist()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_state_round_trips_through_the_same_calls(model_path, policy):
     llm = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
     completion(llm, PROSE, 8)
     state = llm.save_state()
+    saved = snapshot(llm)
+    tok = int(llm.tokenize(b" mission", add_bos=False)[0])
+    went_on = next_logits(llm, tok)  # the pruned cache as it was saved, one step further
+    llm.load_state(state)
+    assert snapshot(llm) == saved and next_logits(llm, tok) == went_on
+    fresh = Llama(model_path, n_ctx=128, n_batch=128, verbose=False, kv_policy=policy)
+    fresh.load_state(state)
+    assert snapshot(fresh) == saved and next_logits(fresh, tok) == went_on  # bit for bit in another context
+    assert any(not all(row) for row in saved[0])  # the state holds a pruned cache
+    llm.load_state(state)
     follow = PROSE + " The mission was"
     x = [completion(llm, follow, 6), completion(llm, FOX, 4)]
     llm.load_state(state)

@@ -1,6 +1,7 @@
 """GGML_OP_SPARSE_ATTN_EXT (native/kernels): the installed sparse-attn-check binary cross-checks the op against
 ggml_flash_attn_ext with every block listed, against a double-precision host reference with random block subsets, and
-(where one is present and supports the op) a non-CPU backend against the CPU backend; every case must pass."""
+(where one is present and supports the op) a non-CPU backend against the CPU backend; every case must pass, and with
+its counts corrupted the check must fail."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ def sparse_attn_check(*args):
     return run_tool("sparse-attn-check", *args)
 
 
+def parse(p):
+    assert p.stdout.strip(), f"no output (rc={p.returncode}): {p.stderr[-2000:]}"
+    return json.loads(p.stdout)
+
+
 @pytest.mark.parametrize("cases, seed", [(60, 1), (40, 7)])
 def test_sparse_attn_op_matches_flash_attention_and_reference(cases, seed):
     p = sparse_attn_check("--cases", str(cases), "--seed", str(seed))
-    assert p.stdout.strip(), f"no output (rc={p.returncode}): {p.stderr[-2000:]}"
-    out = json.loads(p.stdout)
+    out = parse(p)
     assert out["cases"] == cases
     assert out["fail"] == 0, json.dumps(out["failures"], indent=1)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -29,10 +34,29 @@ def test_sparse_attn_op_matches_flash_attention_and_reference(cases, seed):
     sub = out["subsets"]
     assert sub["out_of_range_ids"] > 0 and sub["clamped_counts"] > 0 and sub["ids_past_count"] > 0
     assert 0 < sub["rows_seeing_nothing"] < sub["rows"]
+    # the CPU backend computed the op in every case (counted by the tool, not echoed), and the probabilities mode (d)
+    # ran in every case as well (its comparisons are skipped where it did not)
     assert out["backends"]["CPU"]["ran"] == cases
+    assert out["probs"]["ran"] == cases > 0
+    assert out["probs"]["max_nmse_vs_ref"] is not None and out["probs"]["max_nmse_vs_ref"] <= out["nmse_threshold"]
     for name, b in out["backends"].items():
         if name != "CPU":
             assert b["fail"] == 0, (name, b)
+
+
+def test_sparse_attn_check_fails_with_corrupt_counts():
+    # the checker checked: the op gets (b) counts one off from the reference's, so (b) must fail (and nothing else)
+    cases = 12
+    p = sparse_attn_check("--cases", str(cases), "--seed", "1", "--threads", "2", "--corrupt-counts")
+    out = parse(p)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert out["corrupt_counts"] is True and out["cases"] == cases
+    assert out["backends"]["CPU"]["ran"] == cases  # the op did run: the failures are the comparisons'
+    assert 0 < out["fail"] <= cases and sum(out["fail_by_type"].values()) == out["fail"]
+    assert out["failures"] and all("(b) " in f for f in out["failures"]), out["failures"]
+    assert any("(b) CPU vs reference" in f for f in out["failures"]), out["failures"]
+    assert not any(tag in f for f in out["failures"] for tag in ("(a) ", "(c) ", "(d) ")), out["failures"]
+    assert out["max_nmse_vs_ref"] is None or out["max_nmse_vs_ref"] > out["nmse_threshold"]
 
 
 def test_sparse_attn_check_help_and_bad_arguments():

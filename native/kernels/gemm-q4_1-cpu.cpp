@@ -15,6 +15,7 @@
 #include "ggml-impl.h"
 #include "simd-mappings.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 
@@ -39,6 +40,9 @@ static bool ggml_gemm_q4_1_enabled(void) {
     });
     return enabled;
 }
+
+// matrix products computed by the kernel (ggml_gemm_q4_1_calls)
+static std::atomic<uint64_t> gemm_q4_1_n_calls{0};
 
 #ifdef GGML_GEMM_Q4_1_AVX2
 
@@ -163,6 +167,10 @@ bool ggml_gemm_q4_1_available(void) {
 #endif
 }
 
+uint64_t ggml_gemm_q4_1_calls(void) {
+    return gemm_q4_1_n_calls.load(std::memory_order_relaxed);
+}
+
 bool ggml_gemm_q4_1_q8_1(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                          const void * A, int64_t lda, const void * B, int64_t ldb, float * C, int64_t ldc) {
 #ifdef GGML_GEMM_Q4_1_AVX2
@@ -193,6 +201,9 @@ bool ggml_gemm_q4_1_q8_1(const struct ggml_compute_params * params, int64_t m, i
         }
     }
     ggml_barrier(params->threadpool);
+    if (params->ith == 0) {
+        gemm_q4_1_n_calls.fetch_add(1, std::memory_order_relaxed);
+    }
     return true;
 #else
     GGML_UNUSED(params); GGML_UNUSED(m); GGML_UNUSED(n); GGML_UNUSED(k); GGML_UNUSED(A); GGML_UNUSED(lda);

@@ -22,6 +22,10 @@ struct ggml_compute_params;
 // whether the kernel runs in this process: built with AVX2/FMA/F16C and not turned off by GGML_CPU_TILED_MM=0
 GGML_BACKEND_API bool ggml_gemm_q4_1_available(void);
 
+// how many matrix products the kernel has computed in this process (one per product: thread 0's call counts it), so
+// that a test can tell that the dispatch reached it; 0 where it is not available
+GGML_BACKEND_API uint64_t ggml_gemm_q4_1_calls(void);
+
 // C[j*ldc + i] = dot(A row i, B column j) for i < m, j < n; A: m rows of k Q4_1 blocks (row stride lda blocks),
 // B: n columns of k Q8_1 blocks (stride ldb blocks). Every thread of the params must call it (jobs of rows are
 // shared out). Returns false (nothing computed) where the kernel is not available.

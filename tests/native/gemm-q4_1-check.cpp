@@ -6,8 +6,12 @@
 // backend with a random thread count: with n >= 2 columns it goes through llamafile_sgemm, i.e. the tiled kernel.
 // The reference is computed on the host with the type traits' own functions, as the stock path would: each column
 // quantized by Q8_1's from_float, then Q4_1's vec_dot for every (row, column). The two must agree bit for bit.
+// The kernel's call counter (ggml_gemm_q4_1_calls) tells whether the matmul really went through it: "kernel_calls"
+// gives the calls made while the graph ran ("mul_mat") and while the reference was computed ("reference", 0), and
+// "cases_in_kernel" the cases whose matmul entered it; where the kernel is available, a case that did not is a failure.
 // With --bench it times the matmul on SmolLM2-135M's shapes instead (run it with GGML_CPU_TILED_MM=0 for the
-// stock path). One JSON object goes to stdout; the exit code is 1 if any case differs.
+// stock path; "calls" counts the kernel's calls). One JSON object goes to stdout; the exit code is 1 if any case
+// differs or missed the kernel.
 //
 //     gemm-q4_1-check --cases 40 --seed 1
 
@@ -130,6 +134,7 @@ static int run_bench(ggml_backend_t cpu, const check_params & p) {
     std::mt19937_64 rng(p.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     ggml_backend_cpu_set_n_threads(cpu, p.n_threads);
+    const uint64_t calls0 = ggml_gemm_q4_1_calls();
     printf("{\"tiled\": %s, \"threads\": %d, \"columns\": %lld, \"shapes\": [", ggml_gemm_q4_1_available() ? "true" : "false",
            p.n_threads, (long long) n);
     for (size_t s = 0; s < sizeof(shapes)/sizeof(shapes[0]); ++s) {
@@ -151,7 +156,7 @@ static int run_bench(ggml_backend_t cpu, const check_params & p) {
         printf("%s{\"name\": \"%s\", \"m\": %lld, \"k\": %lld, \"ms\": %.3f, \"gflops\": %.2f}", s ? ", " : "", sh.name,
                (long long) sh.m, (long long) sh.k, s_per*1e3, 2.0*sh.m*sh.k*n/s_per*1e-9);
     }
-    printf("]}\n");
+    printf("], \"calls\": %llu}\n", (unsigned long long) (ggml_gemm_q4_1_calls() - calls0));
     return 0;
 }
 
@@ -187,7 +192,9 @@ int main(int argc, char ** argv) {
 
     std::mt19937_64 rng(p.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    int n_fail = 0;
+    const bool tiled = ggml_gemm_q4_1_available();
+    int n_fail = 0, n_in_kernel = 0;
+    uint64_t calls_mul_mat = 0, calls_ref = 0; // the kernel's calls while the graph ran, and during the reference
     int64_t n_values = 0, n_diff = 0;
     double max_abs = 0.0;
     std::string failures;
@@ -210,7 +217,9 @@ int main(int argc, char ** argv) {
         ggml_backend_tensor_set(g.w, wq.data(), 0, wq.size());
         ggml_backend_tensor_set(g.x, xf.data(), 0, xf.size()*sizeof(float));
         ggml_backend_cpu_set_n_threads(cpu, n_threads);
+        const uint64_t calls0 = ggml_gemm_q4_1_calls();
         ggml_backend_graph_compute(cpu, g.graph);
+        const uint64_t calls1 = ggml_gemm_q4_1_calls();
         std::vector<float> got(m*n);
         ggml_backend_tensor_get(g.out, got.data(), 0, got.size()*sizeof(float));
 
@@ -233,19 +242,26 @@ int main(int argc, char ** argv) {
                 }
             }
         }
+        const uint64_t calls2 = ggml_gemm_q4_1_calls();
+        const bool in_kernel = calls1 > calls0;
+        calls_mul_mat += calls1 - calls0;
+        calls_ref     += calls2 - calls1;
+        n_in_kernel   += in_kernel;
         n_values += m*n;
         n_diff   += diff;
-        if (diff) {
+        if (diff || (tiled && !in_kernel)) { // with n >= 2 columns, the matmul must have gone through the kernel
             ++n_fail;
-            char buf[160];
-            snprintf(buf, sizeof(buf), "%s{\"case\": %d, \"m\": %lld, \"n\": %lld, \"k\": %lld, \"threads\": %d, \"differ\": %lld}",
-                     failures.empty() ? "" : ", ", ci, (long long) m, (long long) n, (long long) k, n_threads, (long long) diff);
+            char buf[200];
+            snprintf(buf, sizeof(buf), "%s{\"case\": %d, \"m\": %lld, \"n\": %lld, \"k\": %lld, \"threads\": %d, "
+                     "\"differ\": %lld, \"in_kernel\": %s}", failures.empty() ? "" : ", ", ci, (long long) m,
+                     (long long) n, (long long) k, n_threads, (long long) diff, in_kernel ? "true" : "false");
             failures += buf;
         }
     }
     printf("{\"cases\": %d, \"fail\": %d, \"values\": %lld, \"differ\": %lld, \"max_abs\": %g, \"tiled\": %s, "
-           "\"failures\": [%s]}\n", p.n_cases, n_fail, (long long) n_values, (long long) n_diff, max_abs,
-           ggml_gemm_q4_1_available() ? "true" : "false", failures.c_str());
+           "\"kernel_calls\": {\"mul_mat\": %llu, \"reference\": %llu}, \"cases_in_kernel\": %d, \"failures\": [%s]}\n",
+           p.n_cases, n_fail, (long long) n_values, (long long) n_diff, max_abs, tiled ? "true" : "false",
+           (unsigned long long) calls_mul_mat, (unsigned long long) calls_ref, n_in_kernel, failures.c_str());
     ggml_backend_free(cpu);
     return n_fail ? 1 : 0;
 }
