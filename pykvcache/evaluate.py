@@ -419,15 +419,17 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
     # the full cache of the KL run (its bytes are every row's "x full"), then of the needle prompts
     full = Runner(None, cfg, reference=True, n_ctx=cfg.n_ctx_kl)
     ref_lp = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
+    first_greedy = full.greedy(cfg.n_agree)
     full_self = compare_logprobs(ref_lp, stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk))
     full_bytes: List[int] = []
     ref_greedy = full.greedy(cfg.n_agree, full_bytes)
+    full_self["agree"] = agreement(first_greedy, ref_greedy)  # the reference against itself, as its KL
     full_mem, full_fa = full.llm.kv_memory(), full.flash_attn
     full.close()
     full = Runner(None, cfg, reference=True)
     full_hits = needle_hits(full, cases)
     full.close()
-    base = {"policy": "full", "budget_frac": None, **full_self, "agree": cfg.n_agree, "needle_hits": full_hits,
+    base = {"policy": "full", "budget_frac": None, **full_self, "needle_hits": full_hits,
             "needle_acc": float(np.mean(full_hits)), "bytes": full_mem.bytes, "bytes_peak": full_mem.bytes_peak,
             "bytes_trace": full_bytes, "n_ctx": cfg.n_ctx_kl, "flash_attn": full_fa}
     prog.step(f"full: self-KL {full_self['kl_mean']:.2g}, needles {sum(full_hits)}/{len(full_hits)}")

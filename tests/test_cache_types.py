@@ -28,6 +28,11 @@ res = {"text": out["choices"][0]["text"], "n_tokens": out["usage"]["completion_t
        "n_used": [s.n_used for s in layers]}
 if llm.kv_policy.sparse:
     res["density"] = llm.kv_sparse().total_density
+if llm.kv_policy.describe()["stages"]["fate"] == "host":
+    h = llm.kv_host()
+    res.update(host_steps=h.n_steps, n_rerank=h.n_rerank)
+if llm.kv_policy.summarises:
+    res["n_bins"] = llm.kv_summary().n_bins
 print(json.dumps(res))
 """
 
@@ -53,6 +58,13 @@ def test_k_and_v_of_two_types_run_every_path(spec, tk, tv):
         assert r["density"] == 1.0  # the op reads K and V of one type: the prompt ran dense, and said so
     if spec.startswith(("h2o", "snapkv")):
         assert max(r["n_used"]) < 1024 // 2  # the policy kept its budget: its observation ran
+    # the paths named above ran: freeze's observed decode steps, the latent re-ranking, summarise's fits
+    if spec == "freeze":
+        assert r["host_steps"] > 0
+    if "latent" in spec:
+        assert r["n_rerank"] > 0
+    if "summarise" in spec:
+        assert r["n_bins"] > 0
 
 
 def test_a_quantized_cache_keeps_the_same_tokens_as_f16_mostly():

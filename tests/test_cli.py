@@ -56,6 +56,9 @@ def test_generate_with_a_composed_policy(tmp_path):
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
+    # the KV line names the composed policy, whose entropy stage gives the layers budgets of their own
+    kv = next(line for line in out.stderr.splitlines() if line.startswith("KV cache"))
+    assert "policy snapkv:" in kv and "+entropy" in kv, kv
 
 
 def test_generate_prints_text_and_kv_line(tmp_path):

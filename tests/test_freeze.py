@@ -351,7 +351,8 @@ def test_kvbench_counts_the_ladder(model_path):
     assert out.returncode == 0, out.stderr
     rows = {r["label"]: r for r in json.loads(out.stdout)["results"]}
     n = rows[LADDER]["n_recover"]
-    assert len(n) == 4 and n[0] > 0 and sum(n) >= n[0]
+    # every climb passes level 1 before level 2, and level 2 before the upper ones (quiet steps reset it to 0)
+    assert len(n) == 4 and n[0] > 0 and n[0] >= n[1] and (n[2] + n[3] == 0 or n[1] > 0)
     assert rows["full"]["n_recover"] == [0, 0, 0, 0]
 
 

@@ -173,9 +173,11 @@ def test_chunked_prefill_of_a_prompt_ten_times_the_budget(model_path, essays):
     full_bytes = N_LAYER * 1000 * TOKEN_LAYER_BYTES
     assert mem.bytes_peak < 0.25 * full_bytes
     assert mem.bytes_peak >= mem.bytes == llm.kv_stats().total_bytes
-    # the model still produces sensible text after the compressed prompt
-    nxt = int(np.argmax(last_logits(llm)))
-    assert 0 <= nxt < llm.n_vocab()
+    # the model still predicts what the full cache predicts after the compressed prompt: its top token among ours
+    full = Llama(model_path, n_ctx=2048, verbose=False)
+    full.eval(tokens)
+    assert int(np.argmax(last_logits(full))) in np.argsort(last_logits(llm))[-5:]
+    full.close()
     # telemetry: budgets, entropies and the retained map
     tel = llm.kv_telemetry()
     assert tel.budgets == mem.budgets

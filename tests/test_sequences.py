@@ -91,9 +91,9 @@ def test_prompts_longer_than_a_batch_together_generate_what_single_contexts_do(m
 def test_each_sequence_resolves_its_own_budget(model_path):
     llm = Llama(model_path, n_ctx=2*N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy="snapkv:budget=0.25")
     prompts = [llm.tokenize(t.encode()) for t in TEXTS[:2]]
-    llm.generate_batch(prompts, 4)
+    first = llm.generate_batch(prompts, 4)
     _, lib = native()
-    assert llm.generate_batch(prompts, 4) == llm.generate_batch(prompts, 4)  # each call starts every sequence afresh
+    assert llm.generate_batch(prompts, 4) == first and llm.generate_batch(prompts, 4) == first  # each call starts afresh
     for s, p in enumerate(prompts):
         assert lib.llama_kvp_seq_select(llm._native_ctx(), s) == 0
         mem = llm.kv_memory()

@@ -5,6 +5,7 @@ embedded one and skips, with their reason, the tests of model kinds pykvcache do
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -18,11 +19,12 @@ VERSION = "0.3.36"
 HERE = Path(__file__).parent / "upstream"
 SDIST = f"llama_cpp_python-{VERSION}"
 
-# llama-cpp-python's tests use n_ctx 32 or 64: budgets of 16 tokens make every policy evict in them
+# llama-cpp-python's tests use n_ctx 32 or 64: budgets of 16 tokens make every policy evict in them (snapkv observing
+# every step: at its every=16 their short generations end before its first decode-time eviction)
 POLICIES = [
     "none",
     "sink_recent:n_sink=4,n_recent=12",
-    "snapkv:budget=16,window=8",
+    "snapkv:budget=16,window=8,every=1",
     "h2o:budget=16,n_recent=8",
     "pyramid:budget=16,window=8",
     "entropy:budget=16,n_recent=8",
@@ -66,8 +68,9 @@ def upstream_tests(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_llama_cpp_python_suite(upstream_tests, policy):
-    env = dict(os.environ, PYKVCACHE_TEST_POLICY=policy)
+def test_llama_cpp_python_suite(upstream_tests, policy, tmp_path):
+    record = tmp_path / "record.json"
+    env = dict(os.environ, PYKVCACHE_TEST_POLICY=policy, PYKVCACHE_TEST_RECORD=str(record))
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
         cwd=upstream_tests, env=env, capture_output=True, text=True, timeout=900,
@@ -78,3 +81,10 @@ def test_llama_cpp_python_suite(upstream_tests, policy):
     # every skip is a test that needs a model kind from the hub, with the conftest's reason
     skips = [ln for ln in res.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert len(skips) == N_SKIPPED and all("from the hub: pykvcache's tests download nothing" in ln for ln in skips), tail
+    # the policy under test ran in the suite's contexts and evicted there
+    rec = json.loads(record.read_text())
+    assert rec["policy"] == policy
+    if policy == "none":
+        assert rec["contexts"] == 0
+    else:
+        assert rec["contexts"] > 0 and rec["evicted"] > 0, rec

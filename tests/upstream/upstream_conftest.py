@@ -8,9 +8,11 @@ expected strings are edited by tests/upstream/llama-cpp-python-0.3.36.patch.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import types
+import weakref
 
 import pykvcache  # before llama_cpp: points it at the patched libllama
 
@@ -50,6 +52,18 @@ hub.hf_hub_download = hf_hub_download
 sys.modules["huggingface_hub"] = hub
 
 
+# what the policy under test did in the suite's contexts, written at the end for tests/test_upstream.py: how many
+# contexts ran it and the tokens its layers evicted (a suite that ran without it would show none)
+RECORD = {"policy": POLICY, "contexts": 0, "evicted": 0}
+_OPEN = weakref.WeakSet()
+
+
+def _count(llm) -> None:
+    if llm in _OPEN and llm._ctx.ctx is not None:
+        _OPEN.discard(llm)
+        RECORD["evicted"] += llm.kv_memory().n_evicted
+
+
 class PolicyLlama(pykvcache.Llama):
     """pykvcache.Llama with the policy under test unless the caller names one."""
 
@@ -57,6 +71,23 @@ class PolicyLlama(pykvcache.Llama):
         if POLICY != "none" and not kwargs.get("vocab_only", False):
             kwargs.setdefault("kv_policy", POLICY)
         super().__init__(*args, **kwargs)
+        if self.kv_policy is not None and self.kv_policy.spec() == pykvcache.parse_policy(POLICY).spec():
+            RECORD["contexts"] += 1
+            _OPEN.add(self)
+
+    def close(self) -> None:
+        if "_ctx" in self.__dict__:
+            _count(self)
+        super().close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for llm in list(_OPEN):
+        _count(llm)
+    out = os.environ.get("PYKVCACHE_TEST_RECORD")
+    if out:
+        with open(out, "w") as f:
+            json.dump(RECORD, f)
 
 
 llama_cpp.Llama = PolicyLlama
