@@ -247,7 +247,7 @@ hit if the greedy answer contains the value."""
 def cache_types(res: Dict[str, Any]) -> str:
     """What a run on quantized KV caches measured (its section's `about`)."""
     return """The protocol of "Fidelity" above (essays, classic needles, 4k
-tokens), every row but the first on the KV cache types named, against the same f16 full-cache reference."""
+tokens), every row but the first on the KV cache types named, against the f16 full cache with flash attention."""
 
 
 def gpu_section(d: Path) -> str:
@@ -387,7 +387,11 @@ Per-layer KV bytes of every row are in [results/kvbench.json](results/kvbench.js
   answer contains the number. The full cache's own score is beside each row.
 - **KV bytes, peak (x full):** the policy's KV buffers (ggml's, per layer) at their peak over the KL run, against
   the full cache's for that run (its text and greedy continuation); a layer's buffer holds its budget and the room
-  of a prompt chunk and the window, so it is above the budget's share.
+  of a prompt chunk and the window, so it is above the budget's share. Until 2026-11-27 the column gave the bytes at the end
+  of the greedy continuation against a full cache sized for the longest needle prompt; the tables below were
+  recomputed from their raw JSON (the second corpus's read about half: 0.074-0.143 instead of 0.139-0.281).
+- **Greedy agreement** until 2026-11-28 continued from the first token of the last streamed chunk, not from the
+  text's last token; every table's column was measured again since (its note says so).
 {note_of(ev)}
 {eval_md}
 
