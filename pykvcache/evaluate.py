@@ -145,8 +145,18 @@ class EvalConfig:
             raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
         if self.needles not in NEEDLE_SETS:
             raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)})")
-        if self.text_file is not None and not Path(self.text_file).is_file():
-            raise EvalError(f"text file not found: {self.text_file}")
+        if self.text_file is not None:
+            f = Path(self.text_file)
+            if f.is_dir():
+                raise EvalError(f"text file {self.text_file} is a folder: give a text file")
+            if not f.is_file():
+                raise EvalError(f"text file not found: {self.text_file}")
+            try:
+                f.read_text(encoding="utf-8-sig")
+            except UnicodeDecodeError as exc:
+                raise EvalError(f"text file {self.text_file} is not UTF-8 text (byte {exc.start})") from exc
+            except OSError as exc:
+                raise EvalError(f"text file {self.text_file}: {exc.strerror or exc}") from exc
         if self.prefill is not None:
             try:
                 pol = parse_policy(f"none+{self.prefill}")
@@ -229,7 +239,7 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
         hay = "\n\n".join(texts[k:])
         what = f"the KL text ({cfg.corpus} 0-{k - 1})"
     else:
-        text = Path(cfg.text_file).read_text(encoding="utf-8-sig", errors="replace")
+        text = Path(cfg.text_file).read_text(encoding="utf-8-sig")  # checked to be UTF-8 by validate()
         every = llm.tokenize(text.encode())
         tokens = every[: cfg.kl_tokens]
         hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")

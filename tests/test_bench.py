@@ -309,6 +309,12 @@ def test_harness_on_the_users_text(model_path, tmp_path):
 def test_harness_text_file_errors(model_path, tmp_path):
     with pytest.raises(EvalError, match="text file not found"):
         EvalConfig(text_file=str(tmp_path / "missing.txt")).validate()
+    with pytest.raises(EvalError, match="is a folder"):
+        EvalConfig(text_file=str(tmp_path)).validate()
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Caf\xe9 au lait. ".encode("latin-1") * 50)
+    with pytest.raises(EvalError, match="is not UTF-8 text"):  # `generate -f` refuses it too; it was read with U+FFFD
+        EvalConfig(text_file=str(latin)).validate()
     short = tmp_path / "short.txt"
     short.write_text("Too short to measure anything.", encoding="utf-8")
     cfg = EvalConfig(policies=["snapkv"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],

@@ -113,3 +113,13 @@ def test_invalid_baseline_parameters():
     with pytest.raises(PolicyError, match="unknown key 'guide' for policy 'h2o'"):
         parse_policy("h2o:guide=1")
     assert parse_policy("entropy:guide=0").guide is False and EntropyLayerBudget().guide is True
+
+
+def test_a_budget_a_float_cannot_hold_is_refused():
+    """Token counts are held as float: above 2^24 another count than the one given would run (and print)."""
+    assert SnapKV(budget=16777215).spec().count("budget=16777215") == 1
+    for spec in ("snapkv:budget=16777216", "snapkv:budget=100000001"):
+        with pytest.raises(PolicyError, match="at most 16777215 tokens"):
+            parse_policy(spec)
+    with pytest.raises(PolicyError, match="at most 16777215 tokens"):
+        SnapKV(budget=16777217)

@@ -112,8 +112,8 @@ std::string llama_kvp_check_budget(const llama_kvp_policy & p) {
         snprintf(buf, sizeof(buf), "a budget >= 1 is a token count and must be a whole number (got %g)", (double) p.budget);
         return buf;
     }
-    if (p.budget > 1.0e8f) {
-        snprintf(buf, sizeof(buf), "budget %g is too large", (double) p.budget);
+    if (p.budget >= 16777216.0f) { // 2^24: above it a float would hold another token count than the one given
+        snprintf(buf, sizeof(buf), "budget %.0f is too large (at most 16777215 tokens)", (double) p.budget);
         return buf;
     }
     return "";
