@@ -48,7 +48,7 @@ def test_policies_lists_presets_and_stages():
     for name in ("snapkv", "entropy", "h2o", "sink_recent", "pyramid", "uniform", "window", "accumulated", "every",
                  "drop", "dense"):
         assert f"  {name} " in out.stdout
-    assert "keys: budget,min_layer,max_layer" in out.stdout
+    assert "keys: budget=0.25,min_layer=0,max_layer=0" in out.stdout  # each key at its default
 
 
 def test_generate_with_a_composed_policy(tmp_path):

@@ -92,7 +92,10 @@ def test_every_stage_has_a_python_dataclass_and_a_help_line():
         # the dataclass fields are the stage's keys in the native help
         line = next(x for x in text.splitlines() if x.startswith(f"  {c.name} ") and "(keys:" in x)
         keys = line.rsplit("(keys: ", 1)[1].rstrip(")")
-        assert sorted(f.name for f in fields(c)) == sorted(k for k in keys.split(",") if k != "none")
+        assert sorted(f.name for f in fields(c)) == sorted(k.split("=")[0] for k in keys.split(",") if k != "none")
+        # each key at the stage's default, as the dataclass has it (None there: the native default, or the preset's)
+        shown = {k.split("=")[0]: float(k.split("=")[1]) for k in keys.split(",") if k != "none"}
+        assert all(shown[f.name] == float(f.default) for f in fields(c) if f.default is not None), (c.name, shown)
 
 
 @pytest.mark.parametrize(

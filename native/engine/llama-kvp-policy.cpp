@@ -645,12 +645,32 @@ int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct
     return 0;
 }
 
+// "key=default,..." of a comma-separated key list, the values of p ("none" for an empty list)
+static std::string llama_kvp_keys_with_values(const char * keys, const llama_kvp_policy & p) {
+    std::string res;
+    std::string list = keys;
+    size_t start = 0;
+    while (start < list.size()) {
+        size_t comma = list.find(',', start);
+        if (comma == std::string::npos) {
+            comma = list.size();
+        }
+        const llama_kvp_key_info * k = llama_kvp_key_find(list.substr(start, comma - start));
+        if (k) {
+            res += (res.empty() ? "" : ",") + llama_kvp_key_str(*k, p);
+        }
+        start = comma + 1;
+    }
+    return res.empty() ? "none" : res;
+}
+
 int32_t llama_kvp_policy_help(char * buf, size_t size) {
-    std::string s = "presets (spec: preset[:key=value,...][+stage[:key=value,...]]...):\n";
+    std::string s = "presets (spec: preset[:key=value,...][+stage[:key=value,...]]...; keys at their defaults):\n";
     for (const auto * p : llama_kvp_preset_all()) {
-        char line[512];
-        snprintf(line, sizeof(line), "  %-12s %s\n  %-12s keys: %s\n", p->name, p->help, "", *p->keys ? p->keys : "none");
-        s += line;
+        char name[32];
+        snprintf(name, sizeof(name), "  %-12s ", p->name);
+        s += std::string(name) + p->help + "\n" + std::string(15, ' ') + "keys: " +
+            llama_kvp_keys_with_values(p->keys, llama_kvp_policy_default(p->type)) + "\n";
     }
     for (int32_t slot = 0; slot < LLAMA_KVP_SLOT_COUNT; ++slot) {
         s += std::string(llama_kvp_slot_name(slot)) + " stages:\n";
@@ -658,9 +678,11 @@ int32_t llama_kvp_policy_help(char * buf, size_t size) {
             if (st->slot != slot) {
                 continue;
             }
-            char line[512];
-            snprintf(line, sizeof(line), "  %-12s %s (keys: %s)\n", st->name, st->help, *st->keys ? st->keys : "none");
-            s += line;
+            llama_kvp_policy d = llama_kvp_policy_base();
+            st->defaults(d);
+            char name[32];
+            snprintf(name, sizeof(name), "  %-12s ", st->name);
+            s += std::string(name) + st->help + " (keys: " + llama_kvp_keys_with_values(st->keys, d) + ")\n";
         }
     }
     if (buf && size > 0) {
