@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(t, "observe")
     t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
 
-    sub.add_parser("policies", help="list the policy presets and stages with their keys",
-                   description="Lists the presets and the stages a policy spec composes, with the keys of each.")
+    sub.add_parser("policies", help="list the policy presets and stages with their keys", allow_abbrev=False,
+                   description="Lists the presets and the stages a policy spec composes, with each key at its default.")
 
     sub.add_parser("bench", add_help=False, help="run kvbench (speed and KV memory per policy); see `pykvcache bench --help`",
                    description="Runs the kvbench binary with the given flags, on the embedded model and the essay corpus "
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "essay corpus by default (--random: random tokens).")
 
     d = sub.add_parser("demo", help="a long document through a retention policy and the full cache, side by side",
-                       description="Reads a long document (4k tokens of essays by default) with a fact buried in it, "
+                       allow_abbrev=False, description="Reads a long document (4k tokens of essays by default) with a fact buried in it, "
                                    "asks about the fact, and compares a retention policy with the full cache: answer, "
                                    "KV memory, time; --plot writes the policy's attention telemetry.")
     from .demo import add_arguments as add_demo_arguments
