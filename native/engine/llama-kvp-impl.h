@@ -37,7 +37,7 @@ void llama_kvp_set_error(const std::string & msg);
 //
 
 // a budget that stands for the whole context (the `freeze` preset keeps every token; it is checked against no n_ctx)
-static constexpr float LLAMA_KVP_BUDGET_ALL = 1.0e8f;
+static constexpr float LLAMA_KVP_BUDGET_ALL = 16777216.0f; // 2^24: above any budget a float holds exactly
 
 // returns "" if the policy is valid, else the reason
 std::string llama_kvp_policy_check(const llama_kvp_policy & policy);

@@ -617,6 +617,9 @@ int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char 
         llama_kvp_set_error("policy is NULL");
         return -1;
     }
+    if (llama_kvp_policy_validate(policy) != 0) { // an unknown preset or stage has no spec that parses back
+        return -1;
+    }
     const std::string s = llama_kvp_policy_str(*policy);
     if (buf && size > 0) {
         snprintf(buf, size, "%s", s.c_str());

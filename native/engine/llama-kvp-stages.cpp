@@ -112,7 +112,7 @@ std::string llama_kvp_check_budget(const llama_kvp_policy & p) {
         snprintf(buf, sizeof(buf), "a budget >= 1 is a token count and must be a whole number (got %g)", (double) p.budget);
         return buf;
     }
-    if (p.budget >= 16777216.0f) { // 2^24: above it a float would hold another token count than the one given
+    if (p.budget >= 16777216.0f && p.budget != LLAMA_KVP_BUDGET_ALL) { // past 2^24 a float holds another count
         snprintf(buf, sizeof(buf), "budget %.0f is too large (at most 16777215 tokens)", (double) p.budget);
         return buf;
     }
@@ -267,6 +267,10 @@ int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, i
         return -1;
     }
     for (int32_t j = 0; j < n; ++j) {
+        if (!std::isfinite(mass[j]) || (last && !std::isfinite(last[j])) || (value && !std::isfinite(value[j]))) {
+            llama_kvp_set_error("select_tokens: mass, last and value must be finite (token " + std::to_string(j) + ")");
+            return -1;
+        }
         keep[j] = 1;
     }
     if (n <= n_keep) {

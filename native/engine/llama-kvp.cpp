@@ -47,6 +47,14 @@ static bool llama_kvp_check_ctx(llama_context * ctx) {
     return true;
 }
 
+static bool llama_kvp_check_out(const void * out) {
+    if (!out) {
+        llama_kvp_set_error("output is NULL");
+        return false;
+    }
+    return true;
+}
+
 static llama_kvp_context * llama_kvp_obs_ctx(llama_context * ctx) {
     if (!llama_kvp_check_ctx(ctx)) {
         return nullptr;
@@ -60,7 +68,7 @@ static llama_kvp_context * llama_kvp_obs_ctx(llama_context * ctx) {
 }
 
 int32_t llama_kvp_get_policy(struct llama_context * ctx, struct llama_kvp_policy * out) {
-    if (!llama_kvp_check_ctx(ctx) || !out) {
+    if (!llama_kvp_check_ctx(ctx) || !llama_kvp_check_out(out)) {
         return -1;
     }
     llama_kvp_context * st = ctx->get_kvp();
@@ -158,7 +166,7 @@ int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_
 
 int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info * out) {
     llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
-    if (!st || !out) {
+    if (!st || !llama_kvp_check_out(out)) {
         return -1;
     }
     ctx->synchronize();
@@ -379,7 +387,7 @@ int32_t llama_kvp_reset_peak(struct llama_context * ctx) {
 }
 
 int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out) {
-    const llama_kvp_context * st = out ? llama_kvp_policy_state(ctx, "perf") : nullptr;
+    const llama_kvp_context * st = llama_kvp_check_out(out) ? llama_kvp_policy_state(ctx, "perf") : nullptr;
     if (!st) {
         return -1;
     }
@@ -397,7 +405,7 @@ int32_t llama_kvp_perf_reset(struct llama_context * ctx) {
 }
 
 int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out) {
-    if (!llama_kvp_check_ctx(ctx) || !out) {
+    if (!llama_kvp_check_ctx(ctx) || !llama_kvp_check_out(out)) {
         return -1;
     }
     *out = {};
@@ -664,7 +672,7 @@ static llama_kvp_context * llama_kvp_sparse_ctx(llama_context * ctx) {
 
 int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out) {
     llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
-    if (!st || !out) {
+    if (!st || !llama_kvp_check_out(out)) {
         return -1;
     }
     const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), st->mem ? st->mem->seq_cur : 0);
@@ -719,7 +727,7 @@ static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) 
 
 int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out) {
     llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
-    if (!mem || !out) {
+    if (!mem || !llama_kvp_check_out(out)) {
         return -1;
     }
     *out = {};
@@ -800,7 +808,7 @@ static llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx) {
 
 int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out) {
     llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem || !out) {
+    if (!mem || !llama_kvp_check_out(out)) {
         return -1;
     }
     *out = {};
@@ -856,6 +864,10 @@ int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t
     }
     llama_kvp_memory * mem = llama_kvp_mem(ctx);
     if (!mem || !llama_kvp_check_layer(mem, ikv)) {
+        return -1;
+    }
+    if (pos < 0) { // an empty cell's position
+        llama_kvp_set_error("no position " + std::to_string(pos) + ": positions are >= 0");
         return -1;
     }
     llama_synchronize(ctx);

@@ -210,7 +210,7 @@ int32_t llama_kvp_policy_validate(const struct llama_kvp_policy * policy);
 
 // writes the canonical spec string of a policy (at most `size` bytes, NUL included); returns its length. It names
 // the preset with every key it exposes, then each stage that differs from the preset's with its other keys, and
-// parses back to the same policy
+// parses back to the same policy; -1 (with the reason) for a policy llama_kvp_policy_validate refuses
 int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char * buf, size_t size);
 
 // the next llama_context created on this thread takes this policy (NULL clears it)

@@ -295,18 +295,36 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
     // the ladder's step (see the top of the file); returns the level acted on
     int32_t recover(llama_kvp_memory & mem, const float * logits, int32_t n_vocab) const {
         const llama_kvp_policy & p = mem.policy;
+        // -inf (a token masked by a grammar or a logit bias) has probability 0; +inf tokens share all of it; a NaN
+        // leaves the step out (no entropy to compare, the statistics untouched)
         double mx = -INFINITY;
+        int32_t n_pinf = 0;
         for (int32_t i = 0; i < n_vocab; ++i) {
-            mx = std::max(mx, (double) logits[i]);
+            const float x = logits[i];
+            if (std::isnan(x)) {
+                return 0;
+            }
+            n_pinf += x == INFINITY ? 1 : 0;
+            if (std::isfinite(x)) {
+                mx = std::max(mx, (double) x);
+            }
         }
-        double z = 0.0;
-        double s1 = 0.0;
-        for (int32_t i = 0; i < n_vocab; ++i) {
-            const double e = std::exp((double) logits[i] - mx);
-            z  += e;
-            s1 += e*((double) logits[i] - mx);
+        if (n_pinf == 0 && mx == -INFINITY) {
+            return 0;
         }
-        const double h = std::log(z) - s1/z; // entropy of softmax(logits), nats
+        double h = std::log((double) std::max(n_pinf, 1)); // entropy of softmax(logits), nats
+        if (n_pinf == 0) {
+            double z = 0.0;
+            double s1 = 0.0;
+            for (int32_t i = 0; i < n_vocab; ++i) {
+                if (std::isfinite(logits[i])) {
+                    const double e = std::exp((double) logits[i] - mx);
+                    z  += e;
+                    s1 += e*((double) logits[i] - mx);
+                }
+            }
+            h = std::log(z) - s1/z;
+        }
 
         auto & D = llama_kvp_ladder_of(mem);
         const bool spike = D.n >= LLAMA_KVP_LADDER_WARMUP && h > D.mean + p.z*std::sqrt(std::max(D.var, 0.0));
