@@ -100,7 +100,10 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
     stats = llama.kv_stats()
     res: Dict[str, Any] = {
         "policy": pol.spec() if pol is not None else None,
-        "kv_reuse": llama._kv_reuse if pol is not None and (pol.retains or pol.sparse) else None,
+        # the rule a new request follows: kv_reuse under a retention policy, always a fresh evaluation under sparse
+        # prefill on llama.cpp's cache, llama-cpp-python's own prefix reuse (null) without either
+        "kv_reuse": (llama._kv_reuse if pol is not None and pol.retains else
+                     "exact" if pol is not None and pol.sparse else None),
         "n_ctx": llama.n_ctx(),
         "n_tokens": int(llama.n_tokens),
         "kv_bytes": stats.total_bytes,

@@ -390,9 +390,10 @@ def test_serve_help_reads_clean():
 
 @pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
                                          ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
-                                         (None, None)])
+                                         ("none+sparse", None), (None, None)])
 def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block):
-    """The stats route gives the host tier's or summarise's host memory (not in kv_bytes) and their counters."""
+    """The stats route gives the host tier's or summarise's host memory (not in kv_bytes) and their counters, and the
+    rule a new request follows."""
     from conftest import PROSE
 
     import pykvcache
@@ -402,8 +403,8 @@ def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block
     try:
         llm.create_completion(PROSE * 4, max_tokens=4, temperature=0)
         m = json.loads(json.dumps(kv_stats_of(llm)))  # JSON-ready
-        if spec is None:
-            assert m["kv_reuse"] is None and "host_bytes" not in m  # llama-cpp-python's own reuse, no host tier
+        if block is None:  # llama-cpp-python's own reuse without a policy; sparse prefill always evaluates afresh
+            assert m["kv_reuse"] == (None if spec is None else "exact") and "host_bytes" not in m
             return
         mem = llm.kv_memory()
         assert m["kv_reuse"] == "exact" and m["host_bytes"] == mem.host_bytes > 0
