@@ -251,8 +251,12 @@ def test_exports_refuse_a_layer_or_a_context_they_do_not_have(model_path):
     full = Llama(model_path, n_ctx=128, verbose=False)
     full.eval(full.tokenize(b"A short prompt."))
     assert full.kv_layer(0).held().sum() == len(full.tokenize(b"A short prompt."))
-    with pytest.raises(PolicyError, match="no single-stream KV layer 30"):
+    with pytest.raises(PolicyError, match=r"no KV layer 30 in this context \(it has 30\)"):
         full.kv_layer(30)
+    two = Llama(model_path, n_ctx=256, n_seq_max=2, verbose=False)
+    with pytest.raises(PolicyError, match="cache of 2 sequence streams"):  # it read as a bad index
+        two.kv_layer(0)
+    two.close()
     # the same kind of error for every per-layer export (kv_cell_bytes raised RuntimeError)
     with pytest.raises(PolicyError, match="no retention policy"):
         full.kv_cell_bytes(0, 0)

@@ -492,14 +492,17 @@ static llama_kv_cache * llama_kvp_layer_cache(llama_context * ctx, int32_t ikv, 
         const int32_t nl = llama_kvp_kv_access::n_layers(*c);
         if (ikv >= base && ikv < base + nl) {
             if (llama_kvp_kv_access::n_stream(*c) != 1) {
-                break;
+                llama_kvp_set_error("KV layer " + std::to_string(ikv) + " is in llama.cpp's cache of " +
+                        std::to_string(llama_kvp_kv_access::n_stream(*c)) + " sequence streams (n_seq_max > 1): its "
+                        "cells are read with one sequence, or with a retention policy (a cache per sequence)");
+                return nullptr;
             }
             local = ikv - base;
             return c;
         }
         base += nl;
     }
-    llama_kvp_set_error("no single-stream KV layer " + std::to_string(ikv) + " in this context");
+    llama_kvp_set_error("no KV layer " + std::to_string(ikv) + " in this context (it has " + std::to_string(base) + ")");
     return nullptr;
 }
 
