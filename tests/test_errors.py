@@ -216,4 +216,15 @@ def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
     rc = lib.llama_kvp_select_tokens(pol, 0, 30, ffi.cast("float *", ffi.from_buffer(mass)), ffi.NULL,
                                      ffi.NULL, 40, 16, ffi.cast("int32_t *", ffi.from_buffer(keep)))
     assert rc == -1 and "must be finite (token 7)" in last_error()
+    toks = ffi.new("int32_t[]", [1] * 300 + [10**6])
+    assert lib.llama_kvp_prefill_guided(ctx, toks, 301, 0) == -1
+    assert "token 300 (id 1000000) is outside the vocabulary" in last_error()  # it said "llama_decode failed"
     llm.close()
+    info = ffi.new("struct llama_kvp_memory_info *")
+    two = Llama(model_path, n_ctx=256, n_seq_max=2, verbose=False)  # llama.cpp's own cache of two sequences
+    assert lib.llama_kvp_memory_info(two._native_ctx(), info) == 0 and info.n_seq == 2  # it read 0
+    two.close()
+    sparse = Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse")
+    assert lib.llama_kvp_sparse_telemetry(sparse._native_ctx(), ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, -1) == -1
+    assert "n_seg must be >= 0" in last_error()
+    sparse.close()

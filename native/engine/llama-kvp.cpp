@@ -312,6 +312,14 @@ int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_
         llama_kvp_set_error("prefill_guided: need a token array, n_tokens >= 0 and pos0 >= 0");
         return -1;
     }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            llama_kvp_set_error("prefill_guided: token " + std::to_string(i) + " (id " + std::to_string(tokens[i]) +
+                    ") is outside the vocabulary of " + std::to_string(n_vocab) + " tokens");
+            return -1;
+        }
+    }
     const int32_t chunk = (int32_t) mem->chunk;
     const int32_t n_g   = (int32_t) mem->n_guide;
     // the caller's last chunk holds the prompt's end itself; nothing to guide if that is all there is
@@ -321,7 +329,6 @@ int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_
     const int32_t k = n_tokens - chunk;
     const llama_token * tail = tokens + n_tokens - n_g;
 
-    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
     llama_batch batch = llama_batch_init(chunk + n_g, 0, 1);
     int32_t res = k;
     mem->guiding = true;
@@ -420,6 +427,7 @@ int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memor
         for (auto * kv : llama_kvp_caches(ctx)) { // llama.cpp's own cache: its cells in use, in every layer
             out->n_active += (int32_t) llama_kvp_kv_access::n_used(*kv)*llama_kvp_kv_access::n_layers(*kv);
         }
+        out->n_seq = (int32_t) llama_n_seq_max(ctx);
         return 0;
     }
     out->per_layer  = 1;
@@ -690,6 +698,10 @@ int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_spars
 int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg) {
     llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
     if (!st) {
+        return -1;
+    }
+    if (n_seg < 0) {
+        llama_kvp_set_error("sparse_telemetry: n_seg must be >= 0 (got " + std::to_string(n_seg) + ")");
         return -1;
     }
     const int32_t nh = st->n_head;
