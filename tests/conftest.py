@@ -31,6 +31,12 @@ def tiny_gemma3(tmp_path_factory, model_path) -> str:
     return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf", Path(model_path)))
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits along the last axis."""
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def last_logits(llm) -> np.ndarray:
     """Logits of the last evaluated token, straight from llama.cpp (llama-cpp-python keeps none without logits_all)."""
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()

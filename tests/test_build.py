@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pykvcache
-from conftest import PROSE, last_logits
+from conftest import PROSE, last_logits, log_softmax
 from pykvcache import FullCache, Llama, Observe
 
 PROMPT = "Q: What is the tallest mountain on Earth?\nA:"
@@ -75,10 +75,6 @@ def test_the_patched_library_computes_the_models_logits(model_path, flash_attn):
     llm.eval(tokens)
     ours = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
     ref = reference_attention(model_path, tokens, 1).logits
-
-    def log_softmax(x):
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
     p, q = log_softmax(ref), log_softmax(ours)
     kl = (np.exp(p) * (p - q)).sum(axis=-1)

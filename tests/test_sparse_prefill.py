@@ -3,17 +3,13 @@ composition with retention policies, dense fallback, and one-line errors for bad
 
 import numpy as np
 import pytest
+from conftest import log_softmax
 
 from pykvcache import EntropyLayerBudget, FullCache, Llama, PolicyError, SparsePrefill, parse_policy
 from pykvcache.corpus import essays
 
 N_PROMPT = 1500
 SPARSE = "none+sparse:threshold=256,base=128"
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())
 
 
 def kl(ref: np.ndarray, got: np.ndarray) -> float:

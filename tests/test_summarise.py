@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from conftest import log_softmax
 
 from pykvcache import Llama, PolicyError, SnapKV, SummariseFate, cli, parse_policy
 from pykvcache._native import native
@@ -195,11 +196,6 @@ def text(model_path):
     toks = llm.tokenize(" ".join(essays()[3:]).encode())[: N_PREFIX + N_STREAM]
     llm.close()
     return toks
-
-
-def log_softmax(x):
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def streamed(model_path, toks, policy, **kw):

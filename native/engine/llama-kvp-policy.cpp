@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -651,18 +652,11 @@ int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct
 // "key=default,..." of a comma-separated key list, the values of p ("none" for an empty list)
 static std::string llama_kvp_keys_with_values(const char * keys, const llama_kvp_policy & p) {
     std::string res;
-    std::string list = keys;
-    size_t start = 0;
-    while (start < list.size()) {
-        size_t comma = list.find(',', start);
-        if (comma == std::string::npos) {
-            comma = list.size();
-        }
-        const llama_kvp_key_info * k = llama_kvp_key_find(list.substr(start, comma - start));
-        if (k) {
+    std::istringstream list(keys);
+    for (std::string name; std::getline(list, name, ','); ) {
+        if (const llama_kvp_key_info * k = llama_kvp_key_find(name)) {
             res += (res.empty() ? "" : ",") + llama_kvp_key_str(*k, p);
         }
-        start = comma + 1;
     }
     return res.empty() ? "none" : res;
 }
