@@ -125,6 +125,28 @@ def test_host_limit_drops_the_coldest(model_path):
     assert (h.state == HostTelemetry.DROPPED).sum() > 0
 
 
+def test_host_limit_drops_cold_tokens_before_frozen_ones(model_path):
+    # the budget sends tokens cold into the host tier, the freeze sends others there with a timer: past the limit a
+    # layer drops its cold tokens first, and a frozen one only once no cold one is left
+    llm = make(model_path, "h2o:budget=48+host:limit=64+freeze:tau=0.5,k=1")
+    llm.eval(llm.tokenize(PROMPT.encode()))
+    prev = llm.kv_host().state
+    cold_first = frozen_over_cold = 0
+    for _ in range(120):
+        llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))])
+        state = llm.kv_host().state
+        cur = state[:, :prev.shape[1]]
+        dropped = (cur == HostTelemetry.DROPPED) & (prev != HostTelemetry.DROPPED)
+        for s in range(state.shape[0]):
+            kept_frozen = ((prev[s] == HostTelemetry.FROZEN) & (cur[s] == HostTelemetry.FROZEN)).any()
+            kept_cold = ((prev[s] == HostTelemetry.COLD) & (cur[s] == HostTelemetry.COLD)).any()
+            cold_first += int((dropped[s] & (prev[s] == HostTelemetry.COLD)).any() and kept_frozen)
+            frozen_over_cold += int((dropped[s] & (prev[s] == HostTelemetry.FROZEN)).any() and kept_cold)
+        prev = state
+    assert cold_first > 0          # the case arose: a layer dropped cold tokens while it held frozen ones
+    assert frozen_over_cold == 0   # and never dropped a frozen token while a cold one stayed
+
+
 def test_eviction_into_the_host_tier_changes_nothing_else(model_path):
     text = " ".join(essays()[0].split())
     toks = None
