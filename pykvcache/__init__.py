@@ -24,7 +24,9 @@ from .stages import (
     UniformBudget,
     WindowScore,
 )
-from .telemetry import HostTelemetry, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats, SparseTelemetry
+from .recovery import RecoveryEvent
+from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
+                        SparseTelemetry, SummaryTelemetry)
 
 __version__ = "0.1.0"
 
@@ -68,6 +70,9 @@ __all__ = [
     "KVTelemetry",
     "HostTelemetry",
     "SparseTelemetry",
+    "SummaryTelemetry",
+    "KVLayer",
+    "RecoveryEvent",
     "LayerStats",
     "KVMemory",
     "KVPerf",

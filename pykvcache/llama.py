@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -21,6 +22,12 @@ from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTel
                         SparseTelemetry, SummaryTelemetry)
 
 llama_cpp = import_llama_cpp()
+
+
+def _argument(method: str, args: Sequence[Any], kwargs: Dict[str, Any], name: str, default: Any = None) -> Any:
+    """The value a call of llama_cpp.Llama's `method` gives parameter `name`, passed by position or by keyword."""
+    bound = inspect.signature(getattr(llama_cpp.Llama, method)).bind_partial(None, *args, **kwargs)
+    return bound.arguments.get(name, default)
 
 
 def default_model_path() -> str:
@@ -67,6 +74,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
         policy = as_policy(kv_policy)
+        if policy is not None and policy.spec() == "none":
+            policy = None  # FullCache() is llama.cpp's own cache, as kv_policy=None
         self._kv_policy = policy
         self._rpc_servers = rpc_servers
         self._n_seq_max = n_seq_max
@@ -155,7 +164,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(msg) from exc
 
     def n_ctx(self) -> int:
-        """The context's size in tokens (llama_cpp.Llama.n_ctx)."""
+        """The context's size in tokens, all sequences' (llama_cpp.Llama.n_ctx; sequence 0 has n_ctx()/n_seq_max)."""
         self._check_open()
         return super().n_ctx()
 
@@ -169,7 +178,7 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         return super().n_vocab()
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> "llama_cpp.llama_tokenizer.LlamaTokenizer":
         """The model's tokenizer (llama_cpp.Llama.tokenizer)."""
         self._check_open()
         return super().tokenizer()
@@ -185,14 +194,16 @@ class Llama(llama_cpp.Llama):
         return super().embed(*args, **kwargs)
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
-        """Sample the next token (llama_cpp.Llama.sample)."""
+        """Sample the next token (llama_cpp.Llama.sample); an invalid grammar is an error, not a crash."""
         self._check_open()
+        if self._sampler is None:  # generate() samples with the sampler it made (its grammar checked there)
+            check_grammar(self, _argument("sample", args, kwargs, "grammar"))
         return super().sample(*args, **kwargs)
 
     def create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Any:
         """Complete a prompt (llama_cpp.Llama.create_completion); an invalid grammar is an error, not a crash."""
         self._check_open()
-        check_grammar(self, kwargs.get("grammar"))
+        check_grammar(self, _argument("create_completion", (prompt,) + args, kwargs, "grammar"))
         return super().create_completion(prompt, *args, **kwargs)
 
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,12 +227,12 @@ class Llama(llama_cpp.Llama):
         check_token_ids(tokens, self.n_vocab())
         return super().detokenize(tokens, *args, **kwargs)
 
-    def save_state(self) -> Any:
+    def save_state(self) -> "llama_cpp.llama.LlamaState":
         """The context's state, KV policy state included (llama_cpp.Llama.save_state)."""
         self._check_open()
         return super().save_state()
 
-    def load_state(self, state: Any) -> None:
+    def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
         """Restore a state from `save_state` (llama_cpp.Llama.load_state); one this context cannot take is an error that
         leaves the context as it was."""
         self._check_open()
@@ -370,18 +381,21 @@ class Llama(llama_cpp.Llama):
         return tokens[n_head:]
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
-        """Generate tokens (llama_cpp.Llama.generate); with a retention policy a cached prefix is reused only where exact;
-        with the freeze schedule's recovery ladder (z > 0) each token's distribution is watched (see recovery.py)."""
+        """Generate tokens (llama_cpp.Llama.generate), reusing a pruned cache's prefix only where exact.
+
+        With the freeze schedule's recovery ladder (z > 0) each token's distribution is watched (see recovery.py); an
+        invalid grammar is an error, not a crash."""
         self._check_open()
-        if len(tokens) == 0 and (kwargs.get("reset", True) or self.n_tokens == 0):
+        reset = _argument("generate", (tokens,) + args, kwargs, "reset", True)
+        check_grammar(self, _argument("generate", (tokens,) + args, kwargs, "grammar"))
+        if len(tokens) == 0 and (reset or self.n_tokens == 0):
             raise ValueError("the prompt has no tokens: give at least one (this model adds no BOS token to an empty "
                              "prompt)")
         check_token_ids(tokens, self._n_vocab)  # the prompt's; the sampled ones are the vocabulary's
         pol = self._kv_policy
-        if (pol is not None and pol.retains and self._kv_reuse == "exact" and kwargs.get("reset", True)
-                and self.n_tokens > 0):
+        if pol is not None and pol.retains and self._kv_reuse == "exact" and reset and self.n_tokens > 0:
             self._kv_reuse_prefix(list(tokens))
-        elif (pol is not None and pol.sparse and kwargs.get("reset", True) and self.n_tokens > 0
+        elif (pol is not None and pol.sparse and reset and self.n_tokens > 0
               and not (self.n_tokens == len(tokens) and list(self._input_ids) == list(tokens) and not self._requires_eval)):
             # sparse prefill on llama.cpp's own cache: which cached part a fresh evaluation of this prompt would give
             # is not tracked (its segments and budgets follow the whole prompt), so the prompt is evaluated afresh;
@@ -762,3 +776,9 @@ class Llama(llama_cpp.Llama):
             entropy_pos=entropy_pos,
             **common,
         )
+
+
+# the methods that pass their arguments on show llama_cpp.Llama's parameters (help(), IDEs)
+for _name in ("embed", "sample", "create_completion", "create_chat_completion", "create_embedding", "tokenize",
+              "detokenize", "generate"):
+    getattr(Llama, _name).__signature__ = inspect.signature(getattr(llama_cpp.Llama, _name))

@@ -7,7 +7,8 @@ A policy is a composition of stages, one per slot (budget, score, schedule, fate
     SnapKV(budget=0.1) + (LatentSchedule() + HostFate())  # stages that need each other, added together
 
 The spec grammar is parsed and validated by the native engine (shared with the CLI and kvbench); `spec()` returns
-the canonical string, which parses back to an equal policy.
+the canonical string, which parses back to an equal policy (a float key at the float32 precision the engine holds:
+`SnapKV(budget=1/3).spec()` says 0.33333334).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, ClassVar, Dict, Tuple, Type
+
+import numpy as np
 
 from ._native import last_error, native
 
@@ -38,12 +41,16 @@ def _check_field_types(owner: str, obj: Any) -> None:
             raise PolicyError(f"{owner}: {f.name} must be an integer (got {value!r})")
         if "float" in kind and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise PolicyError(f"{owner}: {f.name} must be a number (got {value!r})")
-        if "bool" in kind and value not in (True, False):
+        if "bool" in kind and not (_is_bool(value) or (isinstance(value, numbers.Integral) and value in (0, 1))):
             raise PolicyError(f"{owner}: {f.name} must be True or False (got {value!r})")
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
 def _format_value(value: Any) -> str:
-    if isinstance(value, bool):
+    if _is_bool(value):
         return "1" if value else "0"
     if isinstance(value, numbers.Integral):
         return str(int(value))
@@ -88,6 +95,10 @@ class Policy:
         """Return the canonical spec string, e.g. `observe:window=32,every=0,decay=1`."""
         return _native_str(self.to_native())
 
+    def __str__(self) -> str:
+        """The canonical spec (as `spec()`), so that a logged policy can be given to `parse_policy` or `--policy`."""
+        return self.spec()
+
     def describe(self) -> Dict[str, Any]:
         """Return the preset, the stage of each slot and the observes/retains/guides flags."""
         return dict(self._desc, stages=dict(self._desc["stages"]))
@@ -129,6 +140,7 @@ class Policy:
         return self._desc["guides"]
 
     def __add__(self, stage: "Stage | Stages") -> "Policy":
+        """This policy with the stage(s) replacing its own in their slots (validated)."""
         if isinstance(stage, Stage):
             added: Tuple[Stage, ...] = (stage,)
         elif isinstance(stage, Stages):
@@ -187,6 +199,7 @@ class Stage:
         return _part(self.name, self)
 
     def __add__(self, other: "Stage | Stages") -> "Stages":
+        """This stage and the other(s), to be added to a policy together."""
         if isinstance(other, Stage):
             return Stages((self, other))
         if isinstance(other, Stages):
@@ -207,6 +220,7 @@ class Stages:
                 raise PolicyError(f"only stages can be added together (got {type(s).__name__})")
 
     def __add__(self, other: "Stage | Stages") -> "Stages":
+        """These stages and the other(s), to be added to a policy together."""
         if isinstance(other, Stage):
             return Stages(self.stages + (other,))
         if isinstance(other, Stages):

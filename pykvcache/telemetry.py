@@ -125,7 +125,7 @@ class KVMemory:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SparseTelemetry:
     """Sparse prefill of the sequence's prompt (prefill stage `sparse`), per layer with a KV cache.
 
@@ -230,7 +230,7 @@ class KVPerf:
         return dict(self.__dict__, t_ms=self.t_ms)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SummaryTelemetry:
     """The summarise fate (fate stage `summarise`): bins of leaving tokens replaced by fitted centroid cells.
 
@@ -279,7 +279,7 @@ class SummaryTelemetry:
                         f"fit error {self.fit_err:.2f}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVLayer:
     """The cells of one KV layer as they are now: pos[n_cells] (-1: empty), bias[n_cells] (the attention mask's bias:
     log of the tokens a centroid cell stands for, 0 for a token's own cell), k[n_cells, n_head_kv, d] and
@@ -315,7 +315,7 @@ class KVLayer:
         return np.einsum("qhn,nhd->qhd", self.probs(q, scale, below, q_pos), v)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HostTelemetry:
     """The host tier (fate stage `host`, schedule stage `freeze`): tokens moved out of the layer caches into host
     memory and back.
@@ -359,7 +359,7 @@ class HostTelemetry:
                         f"{self.n_host - self.n_frozen} cold tokens")
 
 
-@dataclass
+@dataclass(eq=False)
 class KVTelemetry:
     """Attention observation of the last `window` queries, with positions in ascending order.
 
@@ -370,6 +370,7 @@ class KVTelemetry:
     pos                           the last query position of the observation behind mass (-1: none yet)
     entropy_pos                   the same for entropy: below pos where the policy's decode observations score by the
                                   head-mean mass alone (snapkv, pyramid, entropy), so the entropy is an earlier one's
+    retained[n_layer, n_tokens]   True where a layer still holds a position (retention policies)
     """
 
     layers: np.ndarray
@@ -390,9 +391,6 @@ class KVTelemetry:
     host: Optional[HostTelemetry] = None
     pos: int = -1
     entropy_pos: int = -1
-
-    def __post_init__(self) -> None:
-        """Arrays: retained[n_layer, n_tokens] is True where a layer still holds a position (retention policies)."""
 
     @property
     def n_layer(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -131,6 +132,15 @@ def test_input_llama_cpp_would_crash_on_is_a_clear_error(model_path):
         llm("x", max_tokens=2, grammar=llama_cpp.LlamaGrammar.from_string("this is not gbnf"))
     with pytest.raises(ValueError, match="the prompt has no tokens"):
         llm("", max_tokens=2)
+    # the grammar given by position (llama_cpp's 24th parameter), to generate() and to sample(): the same error
+    bad = llama_cpp.LlamaGrammar.from_string("root ::= undefined")
+    names = list(inspect.signature(llama_cpp.Llama.create_completion).parameters)[2:]
+    args = [bad if n == "grammar" else 2 if n == "max_tokens" else inspect.signature(
+        llama_cpp.Llama.create_completion).parameters[n].default for n in names]
+    for call in (lambda: llm.create_completion("x", *args), lambda: next(llm.generate([5, 6], grammar=bad)),
+                 lambda: llm.sample(grammar=bad)):
+        with pytest.raises(ValueError, match="does not parse as GBNF"):
+            call()
     assert llm("x", max_tokens=3, grammar=llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"'),
                temperature=0)["choices"][0]["text"] in ("yes", "no")
     pos, q, _ = Llama(model_path, n_ctx=256, verbose=False, kv_policy="observe").kv_queries(0)  # nothing observed yet

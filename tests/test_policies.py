@@ -80,3 +80,13 @@ def test_cdef_comes_from_the_header():
 
 def test_policy_error_is_a_value_error():
     assert issubclass(pykvcache.PolicyError, ValueError)
+
+
+def test_str_is_the_spec_and_flags_take_numpy_bools():
+    import numpy as np
+
+    p = pykvcache.SnapKV(budget=0.25) + pykvcache.EntropyBudget()
+    assert str(p) == p.spec() and parse_policy(str(p)) == p  # a logged policy can be given back
+    assert pykvcache.SnapKV(guide=np.bool_(False)).spec() == pykvcache.SnapKV(guide=False).spec()
+    with pytest.raises(PolicyError, match="guide must be True or False"):
+        pykvcache.SnapKV(guide=1.0)

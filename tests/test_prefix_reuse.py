@@ -3,6 +3,8 @@ is exact, a truncation into evicted positions keeps them consistent, and states 
 
 from __future__ import annotations
 
+import inspect
+
 import llama_cpp
 import pytest
 from conftest import PROSE, last_logits
@@ -156,3 +158,24 @@ def test_a_prompt_evaluated_again_gives_a_fresh_contexts_logits(model_path, poli
     fresh = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=policy)
     assert (again == first).all() and (evaluated(fresh) == first).all()
     assert llm.kv_memory().budgets == decided
+
+
+def test_reset_false_continues_by_keyword_and_by_position(model_path):
+    """generate(tokens, ..., reset=False) appends to what the context holds, whether reset is named or is its 8th
+    argument (by position the pruned cache's prefix rule had run and dropped the earlier tokens)."""
+    names = list(inspect.signature(llama_cpp.Llama.generate).parameters)[2:]
+    defaults = [inspect.signature(llama_cpp.Llama.generate).parameters[n].default for n in names]
+    positional = [False if n == "reset" else d for n, d in zip(names, defaults)]
+    held = []
+    for how in ("keyword", "position"):
+        llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy=POLICIES[0])
+        first = llm.tokenize(FOX.encode())
+        for _ in zip(range(3), llm.generate(first, top_k=1)):
+            pass
+        n_before = llm.n_tokens
+        more = llm.tokenize(b" and runs away.", add_bos=False)
+        gen = llm.generate(more, top_k=1, reset=False) if how == "keyword" else llm.generate(more, *positional)
+        for _ in zip(range(2), gen):
+            pass
+        held.append((n_before, llm.n_tokens))
+    assert held[0] == held[1] and held[0][1] > held[0][0] + len(more), held

@@ -343,6 +343,7 @@ def test_budget_larger_than_the_context(model_path):
     # nothing the user had is lost: a context made before still works
     ok = Llama(model_path, n_ctx=256, verbose=False, kv_policy=FullCache())
     ok.eval(ok.tokenize(b"Hello"))
+    assert ok.kv_policy is None  # FullCache() is kv_policy=None, as the README's table says
 
 
 def test_a_fraction_below_the_protected_tokens_is_said_once(model_path, capsys):
