@@ -48,7 +48,21 @@ struct kvbench_params {
     bool                     progress = true;
     bool                     limit    = true; // measure the physical limit of the retention rows
     bool                     verbose  = false;
+    std::string              model_desc;   // the md table's caption: the model, its size, the backend
 };
+
+// the names of the devices that can take offloaded layers: GPUs, and the RPC servers' devices added with -rpc
+static std::vector<std::string> kvbench_gpu_devices() {
+    std::vector<std::string> names;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            names.push_back(ggml_backend_dev_name(dev));
+        }
+    }
+    return names;
+}
 
 // one row: a policy at one (prompt, gen, depth) configuration
 struct kvbench_result {
@@ -187,8 +201,10 @@ static void kvbench_usage(const char * argv0) {
     printf("                            'full' (llama.cpp's cache) is always run first, as the reference of the ratios\n");
     printf("                            (default: full, sink_recent (4 sinks + 252 recent tokens), and snapkv, h2o, pyramid, entropy at budget 0.25)\n");
     printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512); with lists, every combination of\n");
-    printf("                            -d, -p and -n is one test (a row), in a context of its own\n");
-    printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed (default: 128)\n");
+    printf("                            -d, -p and -n is one test (a row), in a context of its own; a list flag given\n");
+    printf("                            again adds its values (-p 16 -p 32 = -p 16,32), as in llama-bench\n");
+    printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed, after the depth and the prompt (default: 128;\n");
+    printf("                            llama-bench's tgN runs at depth d alone: here the policy decodes what it kept of d + p)\n");
     printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
     printf("                            a fractional budget is a fraction of depth + prompt\n");
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
@@ -216,6 +232,10 @@ static void kvbench_usage(const char * argv0) {
     printf("(from the ggml buffers), evicted cells per repetition, observation overhead (share of decode time that observing steps take\n");
     printf("beyond the median plain step of the policy; if every step observes, beyond its physical limit's steps, taken at the\n");
     printf("same moments, or beyond the median step of full with --no-limit), and ratios to full.\n");
+    printf("KV x / peak x: the policy's KV bytes (after the test / at peak) over the full cache's in the same test; a\n");
+    printf("retention policy's layer holds its budget plus room for a prompt chunk (`chunk`) and the observation window,\n");
+    printf("so at a prompt a few times the budget KV x is above the budget's share (json: kv_layer_cells per layer).\n");
+    printf("density: the share of key blocks a sparse prefill (+sparse) computed in the prompt's ubatches (1: dense).\n");
     printf("physical limit: for a retention policy whose mean layer budget is B tokens (at most depth + prompt), the full\n");
     printf("cache's decode speed at depth B: after the policy's prompt, B tokens are prefilled untimed in the full cache's\n");
     printf("context, then its decode steps alternate with the policy's (same token), so that a slow moment of the machine\n");
@@ -238,6 +258,15 @@ static void kvbench_usage(const char * argv0) {
 
 // returns 0 to run, 1 for --help, throws on bad input
 static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
+    // a list flag given again adds its values, as llama-bench's (-p 16 -p 32 = -p 16,32); the first replaces the default
+    std::vector<std::string> seen;
+    auto add = [&seen](const std::string & arg, auto & list, const auto & values) {
+        if (std::find(seen.begin(), seen.end(), arg) == seen.end()) {
+            seen.push_back(arg);
+            list.clear();
+        }
+        list.insert(list.end(), values.begin(), values.end());
+    };
     for (int i = 1; i < argc; ++i) {
         std::string arg = argv[i];
         // --option=value, as well as --option value
@@ -265,11 +294,11 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "--policy") {
             params.policies.push_back(value());
         } else if (arg == "-p" || arg == "--n-prompt") {
-            params.n_prompt = kvp_tool_parse_list(arg, value(), 0);
+            add("-p", params.n_prompt, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-n" || arg == "--n-gen") {
-            params.n_gen = kvp_tool_parse_list(arg, value(), 0);
+            add("-n", params.n_gen, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-d" || arg == "--n-depth") {
-            params.n_depth = kvp_tool_parse_list(arg, value(), 0);
+            add("-d", params.n_depth, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-r" || arg == "--repetitions") {
             params.reps = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
@@ -285,9 +314,9 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "-c" || arg == "--ctx-size") {
             params.n_ctx = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-ctk" || arg == "--cache-type-k") {
-            params.type_k = kvbench_parse_types(arg, value());
+            add("-ctk", params.type_k, kvbench_parse_types(arg, value()));
         } else if (arg == "-ctv" || arg == "--cache-type-v") {
-            params.type_v = kvbench_parse_types(arg, value());
+            add("-ctv", params.type_v, kvbench_parse_types(arg, value()));
         } else if (arg == "-b" || arg == "--batch-size") {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
@@ -697,6 +726,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         }
         l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
         l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
+        l->n_gen_steps = (int32_t) l->lim_step_t.size();
     }
     return limits;
 }
@@ -826,12 +856,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
-            printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%.4f,%s,%s,%s,%s,%s,%s,%s,%.4f,"
+            printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%s,%s,%s,%s,%s,%s,%s,%.4f,"
                    "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
-                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, r.obs_overhead,
+                    r.kv_bytes, r.kv_bytes_peak, r.n_evicted, kvbench_fig(r.tg_ts, r.obs_overhead, "%.4f", "").c_str(),
                     kvbench_opt(r.has_ref && !r.pp_ts.empty(), r.pp_ratio, "%.4f", "").c_str(),
                     kvbench_opt(r.has_ref && !r.tg_ts.empty(), r.tg_ratio, "%.4f", "").c_str(),
                     kvbench_opt(r.has_ref, r.kv_ratio, "%.4f", "").c_str(), kvbench_opt(r.has_ref, r.peak_ratio, "%.4f", "").c_str(),
@@ -840,7 +870,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     r.host_bytes_peak, r.n_freeze, r.n_host_evict, r.n_thaw, r.n_dropped, r.n_rerank, r.n_promote, r.n_ctx,
                     ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
                     kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
-                    kvbench_opt(r.perf, r.perf_ms_pp, "%.3f", "").c_str(), kvbench_opt(r.perf, kvbench_perf_tg(r), "%.3f", "").c_str());
+                    kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "").c_str(),
+                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str());
         }
         return;
     }
@@ -849,6 +880,9 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     auto label = [typed](const kvbench_result & r) {
         return typed ? r.label + " [" + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]" : r.label;
     };
+    printf("kvbench: %s, %d threads, n_batch %d, flash attention %s, %d repetitions, tokens: %s\n\n", params.model_desc.c_str(),
+            params.n_threads, params.n_batch, params.flash_attn ? "on" : "off", params.reps,
+            params.text_file.empty() ? "random" : params.text_file.c_str());
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const auto & r : results) {
@@ -1033,6 +1067,21 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
         return 1;
     }
+    {
+        char desc[256];
+        llama_model_desc(model, desc, sizeof(desc));
+        std::string backend = "CPU";
+        if (params.n_gpu_layers > 0 && !kvbench_gpu_devices().empty()) {
+            backend = std::to_string(std::min(params.n_gpu_layers, llama_model_n_layer(model))) + " layers on";
+            for (const auto & name : kvbench_gpu_devices()) {
+                backend += " " + name;
+            }
+        }
+        char buf[512];
+        snprintf(buf, sizeof(buf), "%s, %.2f MiB, %.1fM params, %s", desc, llama_model_size(model)/1048576.0,
+                llama_model_n_params(model)/1e6, backend.c_str());
+        params.model_desc = buf;
+    }
 
     // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size
     std::vector<kvbench_test> tests;
@@ -1067,8 +1116,9 @@ int main(int argc, char ** argv) {
         llama_model_free(model);
         return 1;
     }
-    if (params.n_gpu_layers > 0 && !llama_supports_gpu_offload()) {
-        fprintf(stderr, "kvbench: warning: this build has no GPU backend, -ngl %d offloads nothing\n", params.n_gpu_layers);
+    if (params.n_gpu_layers > 0 && kvbench_gpu_devices().empty()) {
+        // llama_supports_gpu_offload() is true in every build with the RPC backend, servers or not
+        fprintf(stderr, "kvbench: warning: no GPU device and no RPC server (-rpc), -ngl %d offloads nothing\n", params.n_gpu_layers);
     }
     for (ggml_type tv : params.type_v) {
         if (ggml_is_quantized(tv) && !params.flash_attn) {

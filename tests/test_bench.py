@@ -74,6 +74,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert sorted(x["n_depth"] for x in out["limits"]) == [64]  # 64 tokens each; h2o: half of the 128-token prompt
     lim = out["limits"][0]
     assert lim["policy"] == "full" and lim["n_gen"] == 4 and lim["tg_ts"] > 0
+    assert lim["n_gen_steps"] == 3 * 4  # the three policies' limit steps, pooled (it said 0)
     assert rows["full"]["tg_limit_ratio"] is None and rows["full"]["limit_depth"] is None  # not measured: null
     for label in ("sink_recent:n_sink=4,n_recent=60", "snapkv:budget=64,chunk=32+entropy",
                   "h2o:budget=0.5,n_recent=8,chunk=32"):
@@ -89,6 +90,8 @@ def test_kvbench_measures_the_physical_limit(model_path):
 
     md = kvbench(*args, model_path=model_path).stdout
     assert "| x limit |" in md and "| limit:d=64 |" in md
+    # the caption names what llama-bench's columns do: the model, its size and parameters, the backend, the threads
+    assert md.startswith("kvbench: llama ") and " MiB, 134.5M params, CPU, 2 threads," in md.splitlines()[0]
     assert "| policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
     assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
@@ -162,7 +165,8 @@ def test_kvbench_sizes_each_test_as_llama_bench(model_path):
         return {(r["label"], r["n_prompt"]): r for r in json.loads(p.stdout)["results"]}
 
     alone = rows("-p", "64", "--policy", "snapkv:budget=0.25")
-    sweep = rows("-p", "64,600", "--policy", "snapkv:budget=0.25", "--policy=snapkv:budget=512")  # --flag=value too
+    # --flag=value too, and a list flag given twice adds its values, as llama-bench's (-p 64 -p 600 = -p 64,600)
+    sweep = rows("-p", "64", "-p", "600", "--policy", "snapkv:budget=0.25", "--policy=snapkv:budget=512")
     assert sweep[("full", 64)]["n_ctx"] == 256 and sweep[("full", 600)]["n_ctx"] == 768
     assert sweep[("full", 64)]["kv_bytes"] == alone[("full", 64)]["kv_bytes"] == 30 * 256 * 768
     assert sweep[("snapkv:budget=0.25", 64)]["kv_ratio"] == alone[("snapkv:budget=0.25", 64)]["kv_ratio"]
