@@ -19,8 +19,10 @@ _params_lock = threading.Lock()
 
 @contextlib.contextmanager
 def context_params_with(n_seq_max: int, embedding: bool = False) -> Iterator[None]:
-    """While active, contexts llama-cpp-python creates hold n_seq_max sequences (its Llama has no such argument); with
-    `embedding`, also those it makes for embeddings (its own choice there: one per batched input, up to 256)."""
+    """While active, contexts llama-cpp-python creates hold n_seq_max sequences.
+
+    Its Llama has no such argument. With `embedding`, also those it makes for embeddings (its own choice there: one per
+    batched input, up to 256)."""
     import llama_cpp.llama_cpp as lib
 
     if n_seq_max == 1 and not embedding:

@@ -15,8 +15,9 @@ MAX_THREADS = 512
 
 
 def check_sizes(kwargs: Dict[str, Any]) -> None:
-    """Check the sizes among llama_cpp.Llama's keyword arguments: n_ctx >= 0, n_batch and n_ubatch >= 1, threads
-    (None: llama-cpp-python's default) 1 to MAX_THREADS."""
+    """Check the sizes among llama_cpp.Llama's keyword arguments.
+
+    n_ctx >= 0, n_batch and n_ubatch >= 1, threads (None: llama-cpp-python's default) 1 to MAX_THREADS."""
     for name, lo, hi in (("n_ctx", 0, None), ("n_batch", 1, None), ("n_ubatch", 1, None),
                          ("n_threads", 1, MAX_THREADS), ("n_threads_batch", 1, MAX_THREADS)):
         if name not in kwargs or (kwargs[name] is None and name.startswith("n_threads")):

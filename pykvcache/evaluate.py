@@ -317,8 +317,10 @@ class Runner:
 
 def stream_logprobs(r: Runner, tokens: List[int], n_stream: int, chunk: int,
                     on_chunk: Optional[Callable[[int], None]] = None) -> List[np.ndarray]:
-    """Prefill all but the last n_stream tokens, then stream those in chunks; log-probs of every streamed token
-    (on_chunk(i) is called after the i-th chunk)."""
+    """Log-probs of the last n_stream tokens, streamed in chunks after a prefill of the others.
+
+    Prefill all but the last n_stream tokens, then stream those in chunks (on_chunk(i) is called after the i-th
+    chunk)."""
     r.reset()
     r.prefill(tokens[: len(tokens) - n_stream])
     res = []

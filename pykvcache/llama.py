@@ -233,8 +233,9 @@ class Llama(llama_cpp.Llama):
         return super().save_state()
 
     def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
-        """Restore a state from `save_state` (llama_cpp.Llama.load_state); one this context cannot take is an error that
-        leaves the context as it was."""
+        """Restore a state from `save_state` (llama_cpp.Llama.load_state).
+
+        One this context cannot take is an error that leaves the context as it was."""
         self._check_open()
         before = super().save_state()
         _, lib = native()
@@ -274,8 +275,9 @@ class Llama(llama_cpp.Llama):
         return from_native(p)
 
     def kv_stats(self) -> KVStats:
-        """KV-cache memory per layer and in total, read from the real ggml buffers (with a retention policy and several
-        sequences: the current sequence's caches)."""
+        """KV-cache memory per layer and in total, read from the real ggml buffers.
+
+        With a retention policy and several sequences: the current sequence's caches."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n = lib.llama_kvp_n_layers(ctx)
@@ -437,8 +439,9 @@ class Llama(llama_cpp.Llama):
             raise PolicyError(last_error())
 
     def kv_memory(self) -> KVMemory:
-        """KV memory now and at its peak (bytes of the real ggml buffers, all sequences), with the per-layer budgets of
-        a policy (of the current sequence)."""
+        """KV memory now and at its peak, with the per-layer budgets of a policy.
+
+        The memory is in bytes of the real ggml buffers, all sequences; the budgets are of the current sequence."""
         ffi, lib = native()
         ctx = self._native_ctx()
         info = ffi.new("struct llama_kvp_memory_info *")
@@ -474,8 +477,10 @@ class Llama(llama_cpp.Llama):
             raise PolicyError(last_error())
 
     def kv_retained(self) -> np.ndarray:
-        """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted); after
-        reset(), which empties the cache only at the next eval (as llama-cpp-python's), as wide as what it holds."""
+        """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted).
+
+        After reset(), which empties the cache only at the next eval (as llama-cpp-python's), as wide as what it
+        holds."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n_layer = lib.llama_kvp_n_layers(ctx)
@@ -559,7 +564,9 @@ class Llama(llama_cpp.Llama):
             n_dropped=int(out.n_dropped))
 
     def kv_host(self) -> HostTelemetry:
-        """Host tier telemetry: active, frozen and host tokens and bytes, freeze/thaw counts, and per layer x position
+        """Host tier telemetry: tokens and bytes, freeze/thaw counts, and the state of each layer's positions.
+
+        Active, frozen and host tokens and bytes, freeze/thaw counts, and per layer x position
         active/frozen/cold/dropped."""
         ffi, lib = native()
         ctx = self._native_ctx()
@@ -594,8 +601,10 @@ class Llama(llama_cpp.Llama):
             n_recover=tuple(int(out.n_recover[i]) for i in range(4)))
 
     def kv_recovery_events(self) -> List[RecoveryEvent]:
-        """Events of the freeze schedule's recovery ladder so far: decode step, level (1 Soft Reset, 2 Window Reset,
-        3 Full Reset, 4 Rewalk) and the next-token entropy that set it off."""
+        """Events of the freeze schedule's recovery ladder so far.
+
+        Each event: its decode step, level (1 Soft Reset, 2 Window Reset, 3 Full Reset, 4 Rewalk) and the next-token
+        entropy that set it off."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n = lib.llama_kvp_recover_events(ctx, ffi.NULL, ffi.NULL, ffi.NULL, 0)
@@ -606,8 +615,9 @@ class Llama(llama_cpp.Llama):
         return [RecoveryEvent(int(step[i]), int(level[i]), float(ent[i])) for i in range(n)]
 
     def kv_thaw_all(self) -> int:
-        """Move every token of the host tier back into the layer caches (as far as their budgets allow); returns the
-        tokens thawed."""
+        """Move every token of the host tier back into the layer caches (as far as their budgets allow).
+
+        Returns the tokens thawed."""
         ffi, lib = native()
         n = lib.llama_kvp_host_thaw_all(self._native_ctx())
         if n < 0:
@@ -652,8 +662,9 @@ class Llama(llama_cpp.Llama):
         return KVLayer(pos=pos, bias=bias, k=k.reshape(n, n_kv, -1), v=v.reshape(n, n_kv, -1))
 
     def kv_queries(self, layer: int) -> Tuple[np.ndarray, np.ndarray, float]:
-        """The post-RoPE queries the observation window holds for KV layer `layer`: positions [n], queries
-        [n, n_head, d] (float32) and the layer's attention scale."""
+        """The post-RoPE queries the observation window holds for KV layer `layer`.
+
+        Positions [n], queries [n, n_head, d] (float32) and the layer's attention scale."""
         ffi, lib = native()
         ctx = self._native_ctx()
         row = ffi.new("int32_t *")
@@ -671,9 +682,11 @@ class Llama(llama_cpp.Llama):
         return pos[order], q[order].reshape(n, n_head, int(row[0]) // n_head), float(scale[0])
 
     def kv_query_entropy(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Per token held by KV layer `layer`: positions [n] (ascending) and the entropy of its head-mean attention
-        over the observation window's queries that saw it, in [0, 1] (-1: fewer than two did), which orders the
-        tokens leaving for summarise's bins (`lam`)."""
+        """Attention entropy of each token held by KV layer `layer`.
+
+        Positions [n] (ascending) and the entropy of each token's head-mean attention over the observation window's
+        queries that saw it, in [0, 1] (-1: fewer than two did), which orders the tokens leaving for summarise's bins
+        (`lam`)."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n = lib.llama_kvp_obs_query_entropy(ctx, layer, ffi.NULL, ffi.NULL, 0)
@@ -689,10 +702,12 @@ class Llama(llama_cpp.Llama):
         return pos[held][order], ent[held][order]
 
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
-        """Attention telemetry of the last observation (entropy per layer x head, mass per layer x position) and
-        of the sparse prefill (Rigid/Dynamic heads, budgets, density); after decode steps of snapkv, pyramid or
-        entropy, the entropy and per-head mass are of the last observation that computed them (`entropy_pos`; a
-        prompt's, or a step after kv_observe_next())."""
+        """Attention telemetry of the last observation and of the sparse prefill.
+
+        Of the last observation: entropy per layer x head, mass per layer x position; of the sparse prefill:
+        Rigid/Dynamic heads, budgets, density. After decode steps of snapkv, pyramid or entropy, the entropy and
+        per-head mass are of the last observation that computed them (`entropy_pos`; a prompt's, or a step after
+        kv_observe_next())."""
         ffi, lib = native()
         ctx = self._native_ctx()
         pol = self._kv_policy

@@ -157,8 +157,10 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 
 
 def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:
-    """Each sequence's tokens, budget, active cells and per-layer caches, read between two decode steps of the views
-    (within `turn` when the caller holds the context already); the current sequence stays the one it was."""
+    """Each sequence's tokens, budget, active cells and per-layer caches.
+
+    Read between two decode steps of the views (within `turn` when the caller holds the context already); the current
+    sequence stays the one it was."""
     _, lib = native()
     pol = llm.kv_policy
     own = turn is None

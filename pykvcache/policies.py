@@ -185,8 +185,10 @@ class KVPolicy(Policy):
 
 @dataclass(frozen=True)
 class Stage:
-    """Base of the stages: `name` is the spec name, `slot` the slot it fills; unset keys (None) keep the preset's
-    value where the preset exposes the key, else the stage's default."""
+    """Base of the stages.
+
+    `name` is the spec name, `slot` the slot it fills; unset keys (None) keep the preset's value where the preset
+    exposes the key, else the stage's default."""
 
     name: ClassVar[str] = ""
     slot: ClassVar[str] = ""
@@ -209,8 +211,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class Stages:
-    """Stages added together (`LatentSchedule() + HostFate()`), validated as one when added to a policy, so that
-    stages that need each other compose: `SnapKV() + (LatentSchedule(gap=0) + HostFate())`."""
+    """Stages added together (`LatentSchedule() + HostFate()`), validated as one when added to a policy.
+
+    This is so that stages that need each other compose: `SnapKV() + (LatentSchedule(gap=0) + HostFate())`."""
 
     stages: Tuple[Stage, ...]
 

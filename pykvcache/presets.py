@@ -45,8 +45,9 @@ class RetentionPolicy(KVPolicy):
 
 @dataclass(frozen=True)
 class SinkRecent(RetentionPolicy):
-    """StreamingLLM (uniform + recency + drop + dense): every layer keeps the first `n_sink` and the last `n_recent`
-    tokens."""
+    """StreamingLLM (uniform + recency + drop + dense).
+
+    Every layer keeps the first `n_sink` and the last `n_recent` tokens."""
 
     name: ClassVar[str] = "sink_recent"
     type_id: ClassVar[int] = 2
@@ -58,10 +59,12 @@ class SinkRecent(RetentionPolicy):
 
 @dataclass(frozen=True)
 class SnapKV(RetentionPolicy):
-    """SnapKV (uniform + window + every + drop + dense): a uniform budget; top-k by the attention of the last
-    `window` queries, average-pooled over `pool` neighbouring positions; the window itself is kept. Scores are
-    refreshed every `every` decode steps. With `guide`, each prompt chunk is scored by the prompt's last `window`
-    tokens run behind it (as SnapKV scores a whole prompt by its end), not by the chunk's own end."""
+    """SnapKV (uniform + window + every + drop + dense).
+
+    A uniform budget; top-k by the attention of the last `window` queries, average-pooled over `pool` neighbouring
+    positions; the window itself is kept. Scores are refreshed every `every` decode steps. With `guide`, each prompt
+    chunk is scored by the prompt's last `window` tokens run behind it (as SnapKV scores a whole prompt by its end), not
+    by the chunk's own end."""
 
     name: ClassVar[str] = "snapkv"
     type_id: ClassVar[int] = 3
@@ -76,8 +79,9 @@ class SnapKV(RetentionPolicy):
 
 @dataclass(frozen=True)
 class H2O(RetentionPolicy):
-    """H2O (uniform + accumulated + every + drop + dense): a uniform budget; heavy hitters by attention accumulated
-    over every step, plus `n_recent`."""
+    """H2O (uniform + accumulated + every + drop + dense).
+
+    A uniform budget; heavy hitters by attention accumulated over every step, plus `n_recent`."""
 
     name: ClassVar[str] = "h2o"
     type_id: ClassVar[int] = 4
@@ -90,8 +94,10 @@ class H2O(RetentionPolicy):
 
 @dataclass(frozen=True)
 class Pyramid(RetentionPolicy):
-    """PyramidKV (pyramid + window + every + drop + dense): fixed layer budgets decreasing linearly from
-    budget*(1+slope) to budget*(1-slope), with SnapKV scores (prompt chunks guided by the prompt's end)."""
+    """PyramidKV (pyramid + window + every + drop + dense).
+
+    Fixed layer budgets decreasing linearly from budget*(1+slope) to budget*(1-slope), with SnapKV scores (prompt chunks
+    guided by the prompt's end)."""
 
     name: ClassVar[str] = "pyramid"
     type_id: ClassVar[int] = 5
@@ -107,18 +113,19 @@ class Pyramid(RetentionPolicy):
 
 @dataclass(frozen=True)
 class EntropyLayerBudget(RetentionPolicy):
-    """Entropy-guided layer budgets (entropy + window + every + drop + dense): the total budget of the first
-    `split_share` of the layers is split across them in proportion to the mean per-head attention entropy observed on
-    the prompt, each within [min_layer, max_layer] (0: budget/4 and 2*budget); the other layers, where retrieval
-    reads, keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink` sinks, the top
-    `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by `decay` per
-    observation), and the most recent tokens (at least `n_recent`). In the last `span_share` of the layers a
-    `pool_max` share of the top-k goes to whole spans of `span_pool` tokens around the best-attended tokens (a
-    number, a name), the rest of the top-k, and all of it in the other layers, by the average over `pool`
-    positions; in the last `fill_share` of the layers holes of up to `fill` tokens between better-scored tokens are
-    filled. The spans rank by the decayed sum of the observations, the other tokens by a `fresh` share of the last
-    observation alone; each token's mass is weighted by the norm of its value vectors to the power `vnorm`. With
-    `guide`, prompt chunks are scored by the prompt's last `window` tokens (see `SnapKV`)."""
+    """Entropy-guided layer budgets (entropy + window + every + drop + dense).
+
+    The total budget of the first `split_share` of the layers is split across them in proportion to the mean per-head
+    attention entropy observed on the prompt, each within [min_layer, max_layer] (0: budget/4 and 2*budget); the other
+    layers, where retrieval reads, keep the mean budget. Each layer keeps one token set shared by its heads: `n_sink`
+    sinks, the top `topk_share` of the rest by attention mass (heads and window queries aggregated, decayed by `decay`
+    per observation), and the most recent tokens (at least `n_recent`). In the last `span_share` of the layers a
+    `pool_max` share of the top-k goes to whole spans of `span_pool` tokens around the best-attended tokens (a number, a
+    name), the rest of the top-k, and all of it in the other layers, by the average over `pool` positions; in the last
+    `fill_share` of the layers holes of up to `fill` tokens between better-scored tokens are filled. The spans rank by
+    the decayed sum of the observations, the other tokens by a `fresh` share of the last observation alone; each token's
+    mass is weighted by the norm of its value vectors to the power `vnorm`. With `guide`, prompt chunks are scored by
+    the prompt's last `window` tokens (see `SnapKV`)."""
 
     name: ClassVar[str] = "entropy"
     type_id: ClassVar[int] = 6
@@ -147,11 +154,13 @@ class EntropyLayerBudget(RetentionPolicy):
 
 @dataclass(frozen=True)
 class Freeze(RetentionPolicy):
-    """ASR-KF soft rolling freeze (uniform + accumulated + freeze + host + dense): every token is kept (the budget is
-    the context), but at each decode step a token whose attention stays below `tau`/n freezes into the host tier for
-    floor(sqrt(c)/`k`) observation periods of `every` steps, c its low observations among the last `hist` steps; the
-    last `n_recent` tokens never freeze. The host tier holds at most `limit` tokens per layer (0: the context size).
-    With `z` > 0 the entropy recovery ladder watches each generated token (see `FreezeSchedule`)."""
+    """ASR-KF soft rolling freeze (uniform + accumulated + freeze + host + dense).
+
+    Every token is kept (the budget is the context), but at each decode step a token whose attention stays below `tau`/n
+    freezes into the host tier for floor(sqrt(c)/`k`) observation periods of `every` steps, c its low observations among
+    the last `hist` steps; the last `n_recent` tokens never freeze. The host tier holds at most `limit` tokens per layer
+    (0: the context size). With `z` > 0 the entropy recovery ladder watches each generated token (see
+    `FreezeSchedule`)."""
 
     name: ClassVar[str] = "freeze"
     type_id: ClassVar[int] = 7

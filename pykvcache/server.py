@@ -160,9 +160,11 @@ class ViewPool:
                 self.free = list(self.views)
 
     async def take(self, proxy: LlamaProxy, text: str = "") -> "PoolProxy":
-        """Wait for a free sequence: the one whose last request's text this one's starts with the most (half of it at
-        least: a chat's next turn finds its conversation), else the one free the longest (llama-server's choice of a
-        slot by prompt similarity, then least recently used)."""
+        """Wait for a free sequence: the best match for this request's text, else the one free the longest.
+
+        The best match is the one whose last request's text this one's starts with the most (half of it at least: a
+        chat's next turn finds its conversation). This is llama-server's choice of a slot by prompt similarity, then
+        least recently used."""
         if self._sem is None:
             self._sem = anyio.Semaphore(self.n)
         await self._sem.acquire()
@@ -315,8 +317,10 @@ def _loaded_model() -> Optional[Any]:
 
 
 def set_request_limits(model_settings: List[KVModelSettings]) -> None:
-    """What the request guard checks against the loaded model: its vocabulary (logit_bias ids) and the largest body
-    worth reading (256 bytes a context position, at least 4 MiB: no longer prompt fits)."""
+    """Set what the request guard checks against the loaded model.
+
+    Its vocabulary (logit_bias ids) and the largest body worth reading (256 bytes a context position, at least 4 MiB: no
+    longer prompt fits)."""
     n_ctx_set = max(m.n_ctx for m in model_settings)
 
     def vocab_size() -> Optional[int]:

@@ -48,8 +48,10 @@ MAX_BODY: Callable[[], Optional[int]] = lambda: None
 
 
 def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
-    """What is wrong with a request body that should be a JSON object (None: nothing), the object, and whether it
-    changed: chat contents given as lists of text parts (OpenAI's other form) joined into their text."""
+    """Parse a request body that should be a JSON object.
+
+    Returns what is wrong with it (None: nothing), the object, and whether it changed: chat contents given as lists of
+    text parts (OpenAI's other form) joined into their text."""
     try:
         obj = json.loads(body)
     except RecursionError:
@@ -184,8 +186,10 @@ def install_error_mapping() -> None:
 
 
 def stream_error(exc: Exception, body: Any = None) -> Dict[str, Any]:
-    """The event that ends a stream whose generation raised: the error object the request would have had unstreamed
-    (llama-cpp-python's own wording and code for a prompt too long for the context)."""
+    """The event that ends a stream whose generation raised.
+
+    It is the error object the request would have had unstreamed (llama-cpp-python's own wording and code for a prompt
+    too long for the context)."""
     if isinstance(exc, ValueError):
         for pattern, formatter in RouteErrorHandler.pattern_and_formatters.items():
             match = pattern.search(str(exc))

@@ -209,10 +209,11 @@ def _plot_state_map(ax: Any, fig: Any, state: np.ndarray, colors: List[str], lab
 
 @dataclass(frozen=True)
 class KVPerf:
-    """Host time the policy spent around llama.cpp's graphs (ms), summed since the context was created or
-    kv_perf_reset(): before each ubatch deciding and evicting (`t_prepare_ms`, the fate stage's work included) and
-    placing its cells (`t_slot_ms`), setting the graph inputs it adds (`t_input_ms`), and settling a prompt's end
-    (`t_settle_ms`)."""
+    """Host time the policy spent around llama.cpp's graphs (ms).
+
+    Summed since the context was created or kv_perf_reset(): before each ubatch deciding and evicting (`t_prepare_ms`,
+    the fate stage's work included) and placing its cells (`t_slot_ms`), setting the graph inputs it adds
+    (`t_input_ms`), and settling a prompt's end (`t_settle_ms`)."""
 
     t_prepare_ms: float
     t_slot_ms: float
@@ -281,9 +282,10 @@ class SummaryTelemetry:
 
 @dataclass(frozen=True, eq=False)
 class KVLayer:
-    """The cells of one KV layer as they are now: pos[n_cells] (-1: empty), bias[n_cells] (the attention mask's bias:
-    log of the tokens a centroid cell stands for, 0 for a token's own cell), k[n_cells, n_head_kv, d] and
-    v[n_cells, n_head_kv, dv] (float32)."""
+    """The cells of one KV layer as they are now.
+
+    pos[n_cells] (-1: empty), bias[n_cells] (the attention mask's bias: log of the tokens a centroid cell stands for, 0
+    for a token's own cell), k[n_cells, n_head_kv, d] and v[n_cells, n_head_kv, dv] (float32)."""
 
     pos: np.ndarray
     bias: np.ndarray
@@ -296,8 +298,9 @@ class KVLayer:
 
     def probs(self, q: np.ndarray, scale: float, below: Optional[int] = None,
               q_pos: Optional[np.ndarray] = None) -> np.ndarray:
-        """Attention probabilities [n_q, n_head, n_held] of queries q[n_q, n_head, d] over the held cells (self.held),
-        each query seeing positions up to its own (q_pos, when given)."""
+        """Attention probabilities [n_q, n_head, n_held] of queries q[n_q, n_head, d] over the held cells (self.held).
+
+        Each query sees positions up to its own (q_pos, when given)."""
         held = self.held(below)
         g = q.shape[1] // self.k.shape[1]  # query heads per KV head (GQA: query head h reads KV head h // g)
         k = np.repeat(self.k[held].astype(np.float64), g, axis=1)
@@ -317,8 +320,9 @@ class KVLayer:
 
 @dataclass(frozen=True, eq=False)
 class HostTelemetry:
-    """The host tier (fate stage `host`, schedule stage `freeze`): tokens moved out of the layer caches into host
-    memory and back.
+    """The host tier (fate stage `host`, schedule stage `freeze`).
+
+    Tokens moved out of the layer caches into host memory and back.
 
     state[n_layer, n_pos]  per layer and position: 0 dropped (gone for good), 1 active (in the layer's cache),
                            2 frozen (in the host tier with a timer), 3 cold (in the host tier, sent by the budget)

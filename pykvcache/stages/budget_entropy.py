@@ -10,8 +10,10 @@ from ..policies import Stage
 
 @dataclass(frozen=True)
 class EntropyBudget(Stage):
-    """Layer budgets in proportion to the mean head entropy of the prompt, within [min_layer, max_layer] (0: budget/4, 2*budget),
-    over the first `split_share` of the layers (the others keep the mean budget)."""
+    """Layer budgets in proportion to the mean head entropy of the prompt.
+
+    Within [min_layer, max_layer] (0: budget/4, 2*budget), over the first `split_share` of the layers (the others keep
+    the mean budget)."""
 
     name: ClassVar[str] = "entropy"
     slot: ClassVar[str] = "budget"

@@ -10,8 +10,10 @@ from ..policies import Stage
 
 @dataclass(frozen=True)
 class HostFate(Stage):
-    """Leaving tokens move, as their raw K/V bytes, to a host-memory tier of at most `limit` tokens per layer
-    (0: the context size), from which they come back unchanged; past the limit the coldest are dropped for good."""
+    """Leaving tokens move, as their raw K/V bytes, to a host-memory tier from which they come back unchanged.
+
+    The tier holds at most `limit` tokens per layer (0: the context size); past the limit the coldest are dropped for
+    good."""
 
     name: ClassVar[str] = "host"
     slot: ClassVar[str] = "fate"

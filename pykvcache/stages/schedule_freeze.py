@@ -10,13 +10,15 @@ from ..policies import Stage
 
 @dataclass(frozen=True)
 class FreezeSchedule(Stage):
-    """Every `every`-th decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended)
-    on c observations of the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) observation periods,
-    then thaws (ASR-KF soft freeze). With `z` > 0, the entropy recovery ladder: a generated token whose distribution's
-    entropy is above its running mean + z sd climbs one level (Soft Reset, Window Reset of the last `span` steps,
-    Full Reset, Rewalk of the last `rewalk` tokens) and thaws accordingly.
-    With `gap` >= 0 (-1: off), the latent re-ranking of `LatentSchedule` too, so that frozen, evicted and active
-    tokens compete together: `SnapKV(budget=0.1) + HostFate() + FreezeSchedule(gap=0)`.
+    """Soft freeze (ASR-KF): tokens of low attention freeze into the host tier, then thaw.
+
+    Every `every`-th decode step observes; a token whose head-mean attention is below tau/n (n: tokens attended) on c
+    observations of the last `hist` steps freezes into the host tier for floor(sqrt(c)/k) observation periods, then
+    thaws (ASR-KF soft freeze). With `z` > 0, the entropy recovery ladder: a generated token whose distribution's
+    entropy is above its running mean + z sd climbs one level (Soft Reset, Window Reset of the last `span` steps, Full
+    Reset, Rewalk of the last `rewalk` tokens) and thaws accordingly.
+    With `gap` >= 0 (-1: off), the latent re-ranking of `LatentSchedule` too, so that frozen, evicted and active tokens
+    compete together: `SnapKV(budget=0.1) + HostFate() + FreezeSchedule(gap=0)`.
     Needs the host fate: `H2O(budget=0.1) + HostFate() + FreezeSchedule()` (the host tier first)."""
 
     name: ClassVar[str] = "freeze"
