@@ -3,7 +3,14 @@
 Import pykvcache before llama_cpp: it points llama_cpp at its patched libllama.
 """
 
-from ._native import NativeLibraryError
+from pathlib import Path as _Path
+
+if not (_Path(__file__).parent / "_models").is_dir():
+    # the repository's pykvcache/ lacks what the build installs beside it (the model registry, the cffi bindings)
+    raise ImportError(f"{_Path(__file__).parent} is pykvcache's source folder, not the installed package: run Python "
+                      "from another folder (bash scripts/setup.sh installs the package)")
+
+from ._native import NativeLibraryError  # noqa: E402
 from .llama import Llama, default_model_path
 from .policies import Composed, KVPolicy, Policy, PolicyError, Stage, Stages, parse_policy, policy_help
 from .presets import H2O, EntropyLayerBudget, Freeze, FullCache, Observe, Pyramid, RetentionPolicy, SinkRecent, SnapKV

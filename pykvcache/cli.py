@@ -50,6 +50,12 @@ def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `pykvcache` command."""
     parser = argparse.ArgumentParser(
@@ -57,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Entropy-guided KV-cache policies inside llama.cpp: a demo, generation, attention telemetry, "
                     "benchmarks and evaluation, an OpenAI-compatible server and an RPC server.",
     )
+    parser.add_argument("--version", action="version", version=f"pykvcache {_version()} (llama-cpp-python 0.3.36's llama.cpp)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with a KV policy and print the KV memory used", allow_abbrev=False,
@@ -329,6 +336,8 @@ def kvbench_path() -> Path:
 def _run_tool(name: str, sub: str, argv: List[str]) -> int:
     """Run the installed binary `name` (the command `pykvcache sub`) with argv, on the embedded model and the essays
     unless -m / -f / --random say otherwise."""
+    from . import corpus
+
     exe = tool_path(name)
     if not exe.is_file():
         print(f"pykvcache: error: {name} is missing ({exe}); reinstall with `bash scripts/setup.sh`", file=sys.stderr)
@@ -344,14 +353,12 @@ def _run_tool(name: str, sub: str, argv: List[str]) -> int:
     if "--random" in argv:
         argv.remove("--random")
     elif not wants_help and not given & {"-f", "--file"}:
-        from . import corpus
-
         defaults += ["-f", str(corpus.essays_file())]
     if wants_help:  # the tool's help, under the name it is run by here, and what this command adds to it
         sys.stdout.flush()
         rc = _run_forwarding_signals([f"pykvcache {sub}"] + argv, name, executable=str(exe))
         print(f"\npykvcache {sub}: without -m it runs the embedded model ($PYKVCACHE_MODEL, else SmolLM2-135M-Instruct "
-              f"Q4_1), and without -f the essays of the corpus (~/.cache/pykvcache/corpus, `python -m pykvcache.corpus`); "
+              f"Q4_1), and without -f the essays of the corpus ({corpus.cache_dir()}, `python -m pykvcache.corpus`); "
               f"--random: random tokens, as {name} alone does.")
         return rc
     return _run_forwarding_signals([str(exe)] + defaults + argv, name)
@@ -449,10 +456,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main(argv: List[str]) -> int:
-    if argv[:1] == ["bench"]:
-        return cmd_bench(argv[1:])
-    if argv[:1] == ["backend-check"]:
-        return cmd_backend_check(argv[1:])
+    from .corpus import CorpusError
+
+    if argv[:1] in (["bench"], ["backend-check"]):
+        try:
+            return cmd_bench(argv[1:]) if argv[0] == "bench" else cmd_backend_check(argv[1:])
+        except (CorpusError, FileNotFoundError) as exc:  # the default model or the essays, found before the tool runs
+            print(f"pykvcache: error: {exc}", file=sys.stderr)
+            return 2
     if argv[:1] == ["rpc-server"]:
         from .rpc import main as rpc_main
 
@@ -481,7 +492,7 @@ def _main(argv: List[str]) -> int:
             print(policy_help(), end="")
             return 0
         return cmd_telemetry(args)
-    except (PolicyError, EvalError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (PolicyError, EvalError, CorpusError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:

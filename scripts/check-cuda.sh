@@ -8,7 +8,7 @@
 # Options: --arch "90;86" (CMAKE_CUDA_ARCHITECTURES), --full, -j N (parallel jobs, default: the CPU count).
 # Without nvcc it prints one line and exits 0 (CI runs it when nvcc is present). cuBLAS headers and libraries come
 # from the CUDA toolkit if it has them, else from the PyPI wheel `nvidia-cublas` (CUDA 13) or `nvidia-cublas-cu12`,
-# downloaded once into the pykvcache cache (~/.cache/pykvcache, or $PYKVCACHE_CACHE_DIR). The build folder lives in
+# downloaded once into the pykvcache cache ($PYKVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/pykvcache or ~/.cache/pykvcache). The build folder lives in
 # that cache too, so a second run only recompiles what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,11 @@ JOBS=$(nproc 2>/dev/null || echo 2)
 while [ $# -gt 0 ]; do
     case "$1" in
         --full) FULL=1 ;;
-        --arch) ARCH="$2"; shift ;;
-        -j)     JOBS="$2"; shift ;;
-        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --arch|-j)
+            [ $# -ge 2 ] || { echo "check-cuda: $1 needs a value (see --help)" >&2; exit 2; }
+            if [ "$1" = --arch ]; then ARCH="$2"; else JOBS="$2"; fi
+            shift ;;
+        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "check-cuda: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pykvcache.corpus import cache_root
+
 VERSION = "0.3.36"
 HERE = Path(__file__).parent / "upstream"
 SDIST = f"llama_cpp_python-{VERSION}"
@@ -36,8 +38,7 @@ N_PASSED = 15
 
 
 def sdist_tarball() -> Path:
-    root = Path(os.environ.get("PYKVCACHE_CACHE_DIR", Path.home() / ".cache" / "pykvcache"))
-    return root / "sdist" / f"{SDIST}.tar.gz"
+    return cache_root() / "sdist" / f"{SDIST}.tar.gz"  # where the build downloads it
 
 
 @pytest.fixture(scope="module")

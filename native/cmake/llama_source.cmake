@@ -4,10 +4,14 @@
 # outside the repository, or from LLAMA_CPP_SOURCE_DIR (a pristine llama.cpp tree, for machines without a registry).
 # The patched copy lives in the cache too, so that an unchanged patch series keeps file times stable and rebuilds
 # stay incremental. When the series changes, only the files it touches are restored from the pristine tree.
+# What is unpacked or copied goes to a temporary folder first and takes its name once complete, and the download is
+# checked against its sha256, so that an interrupted or damaged step is redone instead of kept.
 #
 # Output: PYKVCACHE_LLAMA_DIR - the patched llama.cpp source tree
 
 set(PYKVCACHE_LLAMA_CPP_PYTHON_VERSION "0.3.36")
+set(PYKVCACHE_LLAMA_CPP_PYTHON_SHA256  "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+set(_version_hint "the llama.cpp that llama-cpp-python ${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION} vendors (its sdist's vendor/llama.cpp)")
 
 if (DEFINED ENV{PYKVCACHE_CACHE_DIR})
     set(_cache_root "$ENV{PYKVCACHE_CACHE_DIR}")
@@ -16,15 +20,18 @@ elseif (DEFINED ENV{XDG_CACHE_HOME})
 else()
     set(_cache_root "$ENV{HOME}/.cache/pykvcache")
 endif()
-set(PYKVCACHE_CACHE_DIR "${_cache_root}" CACHE PATH "download and patched-source cache of pykvcache (outside the repo)")
+# from the environment at every configure (a build folder kept from an earlier run follows a moved cache)
+set(PYKVCACHE_CACHE_DIR "${_cache_root}" CACHE PATH "download and patched-source cache of pykvcache (outside the repo)" FORCE)
 
 if (NOT LLAMA_CPP_SOURCE_DIR AND DEFINED ENV{LLAMA_CPP_SOURCE_DIR})
     set(LLAMA_CPP_SOURCE_DIR "$ENV{LLAMA_CPP_SOURCE_DIR}")
 endif()
 
 if (LLAMA_CPP_SOURCE_DIR)
+    get_filename_component(LLAMA_CPP_SOURCE_DIR "${LLAMA_CPP_SOURCE_DIR}" ABSOLUTE BASE_DIR "${CMAKE_SOURCE_DIR}")
     if (NOT EXISTS "${LLAMA_CPP_SOURCE_DIR}/src/llama-context.cpp")
-        message(FATAL_ERROR "LLAMA_CPP_SOURCE_DIR=${LLAMA_CPP_SOURCE_DIR} is not a llama.cpp source tree (no src/llama-context.cpp)")
+        message(FATAL_ERROR "LLAMA_CPP_SOURCE_DIR=${LLAMA_CPP_SOURCE_DIR} is not a llama.cpp source tree (no "
+                            "src/llama-context.cpp); it must be ${_version_hint}")
     endif()
     set(_pristine "${LLAMA_CPP_SOURCE_DIR}")
     string(MD5 _src_hash "${LLAMA_CPP_SOURCE_DIR}")
@@ -37,6 +44,14 @@ else()
     set(_pristine   "${_sdist_dir}/${_sdist_name}/vendor/llama.cpp")
     set(_patched    "${PYKVCACHE_CACHE_DIR}/llama.cpp-${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION}-patched")
 
+    if (EXISTS "${_sdist_tgz}")
+        file(SHA256 "${_sdist_tgz}" _sha)
+        if (NOT _sha STREQUAL PYKVCACHE_LLAMA_CPP_PYTHON_SHA256)
+            message(STATUS "pykvcache: ${_sdist_tgz} is damaged (sha256 ${_sha}): downloading it again")
+            file(REMOVE "${_sdist_tgz}")
+            file(REMOVE_RECURSE "${_sdist_dir}/${_sdist_name}")
+        endif()
+    endif()
     if (NOT EXISTS "${_sdist_tgz}")
         if (Python_EXECUTABLE)
             set(_python "${Python_EXECUTABLE}") # set by scikit-build-core: the build environment, which has pip
@@ -51,12 +66,27 @@ else()
             RESULT_VARIABLE _rc)
         if (NOT _rc EQUAL 0 OR NOT EXISTS "${_sdist_tgz}")
             message(FATAL_ERROR "pykvcache: could not download the llama-cpp-python ${PYKVCACHE_LLAMA_CPP_PYTHON_VERSION} sdist. "
-                                "On a machine without PyPI, set LLAMA_CPP_SOURCE_DIR to a pristine llama.cpp tree.")
+                                "On a machine without PyPI, set LLAMA_CPP_SOURCE_DIR to a pristine llama.cpp tree: "
+                                "${_version_hint}.")
+        endif()
+        file(SHA256 "${_sdist_tgz}" _sha)
+        if (NOT _sha STREQUAL PYKVCACHE_LLAMA_CPP_PYTHON_SHA256)
+            file(REMOVE "${_sdist_tgz}")
+            message(FATAL_ERROR "pykvcache: the downloaded llama-cpp-python sdist has sha256 ${_sha}, not "
+                                "${PYKVCACHE_LLAMA_CPP_PYTHON_SHA256}; it was removed, run the build again")
         endif()
     endif()
-    if (NOT EXISTS "${_pristine}/src/llama-context.cpp")
+    # unpacked in full, or unpacked again: the tree takes its name only once the archive is out whole
+    if (NOT EXISTS "${_sdist_dir}/${_sdist_name}/.pykvcache-unpacked")
         message(STATUS "pykvcache: unpacking ${_sdist_tgz}")
-        file(ARCHIVE_EXTRACT INPUT "${_sdist_tgz}" DESTINATION "${_sdist_dir}")
+        file(REMOVE_RECURSE "${_sdist_dir}/${_sdist_name}" "${_sdist_dir}/.unpacking")
+        file(ARCHIVE_EXTRACT INPUT "${_sdist_tgz}" DESTINATION "${_sdist_dir}/.unpacking")
+        if (NOT EXISTS "${_sdist_dir}/.unpacking/${_sdist_name}/vendor/llama.cpp/src/llama-context.cpp")
+            message(FATAL_ERROR "pykvcache: ${_sdist_tgz} did not unpack to a llama.cpp tree; delete it and run the build again")
+        endif()
+        file(RENAME "${_sdist_dir}/.unpacking/${_sdist_name}" "${_sdist_dir}/${_sdist_name}")
+        file(REMOVE_RECURSE "${_sdist_dir}/.unpacking")
+        file(TOUCH "${_sdist_dir}/${_sdist_name}/.pykvcache-unpacked")
     endif()
 endif()
 
@@ -89,14 +119,18 @@ if (EXISTS "${_stamp}")
 endif()
 
 if (NOT _old_hash STREQUAL _series_hash)
-    if (NOT EXISTS "${_patched}/src/llama-context.cpp")
+    if (NOT EXISTS "${_stamp}")
+        # no stamp: a first copy, one that was cut short, or one whose series failed to apply (the pristine tree may
+        # have changed since): copied afresh, whole, into a folder that takes its name once complete
         message(STATUS "pykvcache: copying llama.cpp into ${_patched}")
-        file(MAKE_DIRECTORY "${_patched}")
+        file(REMOVE_RECURSE "${_patched}" "${_patched}.copying")
+        file(MAKE_DIRECTORY "${_patched}.copying")
         foreach (_item CMakeLists.txt LICENSE cmake ggml src include common vendor licenses tests)
             if (EXISTS "${_pristine}/${_item}")
-                file(COPY "${_pristine}/${_item}" DESTINATION "${_patched}")
+                file(COPY "${_pristine}/${_item}" DESTINATION "${_patched}.copying")
             endif()
         endforeach()
+        file(RENAME "${_patched}.copying" "${_patched}")
     else()
         # restore every file that the old or the new series touches, so the new series applies to pristine files
         set(_restore ${_old_touched} ${_touched})
@@ -119,7 +153,8 @@ if (NOT _old_hash STREQUAL _series_hash)
             RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
         if (NOT _rc EQUAL 0)
             file(REMOVE "${_stamp}")
-            message(FATAL_ERROR "pykvcache: patch ${_pname} does not apply to ${_pristine}:\n${_out}${_err}")
+            message(FATAL_ERROR "pykvcache: patch ${_pname} does not apply to ${_pristine}, which must be "
+                                "${_version_hint}:\n${_out}${_err}")
         endif()
         message(STATUS "pykvcache: applied ${_pname}")
     endforeach()
