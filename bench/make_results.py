@@ -306,6 +306,7 @@ def main(argv: List[str] | None = None) -> int:
         from pykvcache.evaluate import markdown
 
         eval_md = markdown(json.loads((res_dir / "eval.json").read_text()))
+        (res_dir / "eval.md").write_text(eval_md + "\n")  # the table beside its JSON, as the eval run writes it
     else:
         eval_md = run(eval_cmd).strip()
     sparse_json = res_dir / "sparse_prefill.json"
