@@ -419,18 +419,11 @@ static int64_t kvbench_n_evicted(llama_context * ctx) {
     return llama_kvp_memory_info(ctx, &info) == 0 ? info.n_evicted : 0;
 }
 
-// gap=0 latent re-ranking (schedule `latent`, or `freeze` with gap=0) is the caller's, as in Python's Llama: at the end
-// of the prompt re-rank, evaluate its last `window` tokens again (only where they saw a pruned cache: `pruned`), re-rank
-// again and evaluate its last token again
-static void kvbench_latent_redo(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, int32_t n_window,
-                                int32_t n_batch, bool pruned) {
-    const int32_t k_redo[2] = { pruned ? std::max(1, std::min(n, n_window)) : 1, 1 };
-    for (const int32_t k : k_redo) {
-        if (llama_kvp_latent_rerank(ctx) != 0) {
-            throw std::runtime_error(std::string("latent re-ranking failed: ") + llama_kvp_last_error());
-        }
-        llama_memory_seq_rm(llama_get_memory(ctx), 0, pos0 + n - k, -1);
-        kvp_tool_prefill(ctx, tokens + n - k, k, pos0 + n - k, n_batch, false);
+// the end of a prompt under gap=0 latent re-ranking (schedule `latent`, or `freeze` with gap=0), as Python's Llama marks
+// it: re-ranked and its last tokens evaluated again (stages/schedule-latent.cpp)
+static void kvbench_latent_prompt_end(llama_context * ctx, const llama_token * tokens, int32_t n, int32_t pos0, bool pruned) {
+    if (llama_kvp_latent_prompt_end(ctx, tokens, n, pos0, pruned ? 1 : 0, nullptr) < 0) {
+        throw std::runtime_error(std::string("latent re-ranking failed: ") + llama_kvp_last_error());
     }
 }
 
@@ -481,8 +474,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     const llama_kvp_policy_desc desc = kvbench_describe(pol);
     const bool retains = desc.retains != 0;
     const bool guided  = desc.guides  != 0;
-    const int32_t sched = pol.stage[LLAMA_KVP_SLOT_SCHEDULE];
-    const bool latent_at_end = (sched == LLAMA_KVP_SCHEDULE_LATENT || sched == LLAMA_KVP_SCHEDULE_FREEZE) && pol.gap == 0;
+    const bool latent_at_end = desc.rerank_at_end != 0;
 
     struct llama_kvp_memory_info mi0 = {};
     llama_kvp_memory_info(ctx, &mi0);
@@ -539,7 +531,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             kvp_tool_prefill(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, params.n_batch, guided);
             if (latent_at_end && r.n_prompt > 1) {
                 const bool pruned = r.n_depth > 0 || kvbench_n_evicted(ctx) > n_ev0;
-                kvbench_latent_redo(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pol.window, params.n_batch, pruned);
+                kvbench_latent_prompt_end(ctx, tokens.data() + r.n_depth, r.n_prompt, r.n_depth, pruned);
             }
             llama_synchronize(ctx);
             r.pp_ts.push_back(r.n_prompt/(kvbench_now() - t0));

@@ -1,5 +1,5 @@
 """What a follow-up call costs with each policy: llama-cpp-python reuses the cached prompt prefix; over a pruned cache
-pykvcache keeps only the exact part of it (docs/ARCHITECTURE.md, "Prefix reuse") and evaluates the rest again.
+pykvcache keeps only the exact part of it (docs/ENGINE.md §7, prefix reuse) and evaluates the rest again.
 
     python bench/prefix_reuse.py                      # 2,048-token prompt, then the same prompt + 128 tokens
     python bench/prefix_reuse.py -p 4096 -e 256 -b 0.25 -o json

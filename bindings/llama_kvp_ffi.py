@@ -18,7 +18,7 @@ def cdef_from_header(text: str) -> str:
     m = re.search(r"//\s*cffi-begin[^\n]*\n(.*?)//\s*cffi-end", text, re.S)
     if m is None:
         raise ValueError("llama-kvp.h has no cffi-begin/cffi-end block")
-    body = re.sub(r"//[^\n]*", "", m.group(1))
+    body = re.sub(r"//[^\n]*", "", m.group(1)).replace("LLAMA_KVP_API ", "")  # the export macro is not C cffi reads
     lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("#")]
     return "\n".join(lines)
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import warnings
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 LIB_DIR = PACKAGE_DIR / "lib"
 HEADER = PACKAGE_DIR / "include" / "llama-kvp.h"
-API_VERSION = 20
+API_VERSION = 21
 
 
 class NativeLibraryError(ImportError):
@@ -65,17 +65,28 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
-@lru_cache(maxsize=1)
+_native_lock = threading.Lock()
+_native_pair: Optional[Tuple[Any, Any]] = None
+
+
 def native() -> Tuple[Any, Any]:
     """Return (ffi, lib) of the native API, opened on the library llama_cpp uses."""
-    from ._bindings.llama_kvp_ffi import open_library
+    global _native_pair
+    if _native_pair is not None:
+        return _native_pair
+    # one pair for the process: two threads opening it at once made two ffi instances, whose structs do not mix
+    with _native_lock:
+        if _native_pair is None:
+            from ._bindings.llama_kvp_ffi import open_library
 
-    import_llama_cpp()
-    ffi, lib = open_library(library_path(), HEADER)
-    version = lib.llama_kvp_api_version()
-    if version != API_VERSION:
-        raise NativeLibraryError(f"native API version {version} does not match the Python package ({API_VERSION})")
-    return ffi, lib
+            import_llama_cpp()
+            ffi, lib = open_library(library_path(), HEADER)
+            version = lib.llama_kvp_api_version()
+            if version != API_VERSION:
+                raise NativeLibraryError(f"native API version {version} does not match the Python package "
+                                         f"({API_VERSION})")
+            _native_pair = (ffi, lib)
+    return _native_pair
 
 
 def last_error() -> str:

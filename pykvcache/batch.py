@@ -114,7 +114,7 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
 
 def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
     """Prompt p into sequence s as Llama.eval evaluates a prompt in a context of its own; returns its greedy token."""
-    _, lib = native()
+    ffi, lib = native()
     nctx, ctx, n_batch = llm._native_ctx(), llm._ctx.ctx, llm.n_batch
     if lib.llama_kvp_seq_select(nctx, s) != 0:
         raise PolicyError(last_error())
@@ -131,15 +131,11 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
         _fill(batch, [(p[i], i, s, i == len(p) - 1) for i in rest[i0 : i0 + n_batch]])
         _decode(ctx, batch)
     if llm._latent_at_end and len(p) > 1:
-        # re-ranked by the prompt's end, its last tokens evaluated again to see what came back, then the last one
-        pruned = llm._n_evicted() > evicted0  # the window evaluated again only where it saw a pruned cache (eval)
-        for k_redo in (max(1, min(len(p), llm._latent_window)) if pruned else 1, 1):
-            if lib.llama_kvp_latent_rerank(nctx) != 0:
-                raise RuntimeError(last_error())
-            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), s, len(p) - k_redo, -1)
-            for i0 in range(len(p) - k_redo, len(p), n_batch):
-                _fill(batch, [(p[i], i, s, i == len(p) - 1) for i in range(i0, min(i0 + n_batch, len(p)))])
-                _decode(ctx, batch)
+        # re-ranked by the prompt's end, its last tokens evaluated again (stages/schedule-latent.cpp), as in Llama.eval
+        pruned = llm._n_evicted() > evicted0
+        if lib.llama_kvp_latent_prompt_end(nctx, list(p), len(p), 0, pruned, ffi.NULL) < 0:
+            raise RuntimeError(last_error())
+        return _argmax(ctx, -1, llm.n_vocab())
     return _argmax(ctx, batch.n_tokens - 1, llm.n_vocab())
 
 

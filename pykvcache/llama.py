@@ -70,6 +70,11 @@ class Llama(llama_cpp.Llama):
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise ValueError(f"n_seq_max must be an integer >= 1, not {n_seq_max!r}")
         check_sizes(kwargs)
+        n_batch = kwargs.get("n_batch", 512)  # llama_cpp.Llama's default
+        if n_seq_max > 1 and n_batch < n_seq_max:
+            # llama.cpp reserves its graphs for a batch of one token per sequence: it aborted the process
+            raise ValueError(f"n_batch={n_batch} is smaller than n_seq_max={n_seq_max}: a batch must be able to hold "
+                             "one token of each sequence")
         if kv_reuse not in ("exact", "continue"):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
@@ -82,9 +87,7 @@ class Llama(llama_cpp.Llama):
         self._gen_evals = -1  # evaluations by the running generate() (-1: none runs): its first is the prompt
         self._gen_owner: Optional[object] = None  # that generate()
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
-        self._latent_at_end = (policy is not None and policy.describe()["stages"]["schedule"] in ("latent", "freeze")
-                               and int(policy.to_native().gap) == 0)
-        self._latent_window = int(policy.to_native().window) if policy is not None else 0
+        self._latent_at_end = policy is not None and policy.describe()["rerank_at_end"]
         if rpc_servers:
             from .rpc import add_servers
 
@@ -345,8 +348,16 @@ class Llama(llama_cpp.Llama):
         if self._gen_evals >= 0:
             self._gen_evals += 1
         if self._latent_at_end and n_in > 1 and at_prompt:
+            # re-ranked by the prompt's end, its last tokens evaluated again (stages/schedule-latent.cpp)
+            ffi, lib = native()
+            pos0 = self.n_tokens - n_in
+            out = ffi.NULL
+            if self._logits_all:
+                out = ffi.cast("float *", ffi.from_buffer(self.scores[pos0 : self.n_tokens]))
             pruned = evicted0 is None or self._n_evicted() > evicted0
-            self._latent_redo(max(1, min(n_in, self._latent_window)) if pruned else 1)
+            prompt = [int(t) for t in self.input_ids[pos0 : self.n_tokens]]
+            if lib.llama_kvp_latent_prompt_end(self._native_ctx(), prompt, n_in, pos0, pruned, out) < 0:
+                raise RuntimeError(last_error())
 
     def _n_evicted(self) -> int:
         # the tokens the memory's layers have evicted since the context was made
@@ -355,19 +366,6 @@ class Llama(llama_cpp.Llama):
         if lib.llama_kvp_memory_info(self._native_ctx(), info) != 0:
             raise RuntimeError(last_error())
         return int(info.n_evicted)
-
-    def _latent_redo(self, k: int) -> None:
-        # re-rank by the prompt's end (the question: the window's queries), then evaluate those k tokens again so that
-        # their queries see what came back; a second re-rank by those better queries, and the last token again, which
-        # the next token reads from
-        _, lib = native()
-        for k_redo in (k, 1):
-            if lib.llama_kvp_latent_rerank(self._native_ctx()) != 0:
-                raise RuntimeError(last_error())
-            redo = [int(t) for t in self.input_ids[self.n_tokens - k_redo : self.n_tokens]]
-            self.n_tokens -= k_redo
-            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-            super().eval(redo)
 
     def _eval_without_logits(self, tokens: Sequence[int]) -> Sequence[int]:
         # every n_batch chunk but the last, with no output token; returns the last chunk
@@ -421,7 +419,7 @@ class Llama(llama_cpp.Llama):
 
     def _kv_reuse_prefix(self, tokens: list) -> None:
         # llama-cpp-python keeps the longest common prefix of the cache and the prompt; over a cache a policy has
-        # pruned, the native side keeps only the part a fresh evaluation would reach (docs/ARCHITECTURE.md)
+        # pruned, the native side keeps only the part a fresh evaluation would reach (docs/ENGINE.md §7)
         n_common = self.longest_token_prefix(self._input_ids, tokens)
         consumed = n_common == len(tokens)
         if consumed and self.n_tokens == len(tokens) and not self._requires_eval:

@@ -112,7 +112,8 @@ class Policy:
             raise PolicyError(last_error())
         stages = {slot: ffi.string(d.stage[i]).decode() or None for i, slot in enumerate(SLOTS)}
         return dict(preset=ffi.string(d.preset).decode(), stages=stages, observes=bool(d.observes),
-                    retains=bool(d.retains), guides=bool(d.guides), sparse=bool(d.sparse))
+                    retains=bool(d.retains), guides=bool(d.guides), sparse=bool(d.sparse),
+                    rerank_at_end=bool(d.rerank_at_end))
 
     @property
     def observes(self) -> bool:

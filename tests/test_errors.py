@@ -120,7 +120,8 @@ def test_input_llama_cpp_would_crash_on_is_a_clear_error(model_path):
     import llama_cpp
 
     for kwargs, says in [({"n_batch": -1}, "n_batch must be an integer >= 1"), ({"n_ctx": -5}, "n_ctx must be"),
-                         ({"n_ubatch": 0}, "n_ubatch must be"), ({"n_threads": 99999}, "n_threads must be")]:
+                         ({"n_ubatch": 0}, "n_ubatch must be"), ({"n_threads": 99999}, "n_threads must be"),
+                         ({"n_batch": 1, "n_seq_max": 2}, "n_batch=1 is smaller than n_seq_max=2")]:
         with pytest.raises(ValueError, match=says):
             Llama(model_path, verbose=False, **kwargs)
     llm = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64")

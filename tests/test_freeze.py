@@ -249,9 +249,22 @@ def test_a_rerank_at_the_prompt_end_keeps_what_the_prompt_saw(model_path, monkey
     turn in garbage before."""
     import llama_cpp
 
-    evaluated = []
+    import pykvcache.llama
+
+    evaluated, rerun = [], []
     inner = llama_cpp.Llama.eval
     monkeypatch.setattr(llama_cpp.Llama, "eval", lambda self, tokens: (evaluated.append(len(tokens)), inner(self, tokens)))
+    native = pykvcache.llama.native
+
+    class CountingLib:  # the tokens the prompt's end evaluates again (returned by llama_kvp_latent_prompt_end)
+        def __getattr__(self, name):
+            return getattr(native()[1], name)
+
+        def llama_kvp_latent_prompt_end(self, *args):
+            rerun.append(native()[1].llama_kvp_latent_prompt_end(*args))
+            return rerun[-1]
+
+    monkeypatch.setattr(pykvcache.llama, "native", lambda: (native()[0], CountingLib()))
     prompt = ("<|im_start|>system\nYou are a helpful assistant. The secret code is 4417. Remember it.<|im_end|>\n"
               "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     for spec, k_window in (("h2o:budget=36+host+latent:gap=0", 1), ("snapkv:budget=36,guide=0+host+latent:gap=0", 32)):
@@ -259,8 +272,9 @@ def test_a_rerank_at_the_prompt_end_keeps_what_the_prompt_saw(model_path, monkey
         tokens = llm.tokenize(prompt.encode(), special=True)
         assert 36 < len(tokens) < 64
         evaluated.clear()
+        rerun.clear()
         llm.eval(tokens)
-        assert evaluated == [len(tokens), 1, 1], (spec, evaluated)  # the prompt, then its last token after each re-rank
+        assert evaluated == [len(tokens)] and rerun == [1], (spec, evaluated, rerun)  # its last token after each re-rank
         state = llm.kv_host().state  # a few first layers do without the sink, as their eviction alone decides
         assert (state[:, 0] == HostTelemetry.ACTIVE).sum() >= 2 * state.shape[0] // 3, (spec, state[:, :8])
         out = llm.create_completion(tokens, max_tokens=8, temperature=0.0)["choices"][0]["text"]
@@ -268,9 +282,9 @@ def test_a_rerank_at_the_prompt_end_keeps_what_the_prompt_saw(model_path, monkey
         # a prompt evicted from while it was evaluated (chunks): the window's tokens are evaluated again
         long = llm.tokenize((" ".join(essays()[2].split()[:500]) + " What is this about?").encode())[:600]
         llm.reset()
-        evaluated.clear()
+        rerun.clear()
         llm.eval(long)
-        assert llm.kv_memory().n_evicted > 0 and evaluated[-2:] == [k_window, 1], (spec, evaluated)
+        assert llm.kv_memory().n_evicted > 0 and rerun == [k_window], (spec, rerun)
 
 
 def test_freeze_composes_with_latent_reranking():

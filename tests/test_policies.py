@@ -90,3 +90,18 @@ def test_str_is_the_spec_and_flags_take_numpy_bools():
     assert pykvcache.SnapKV(guide=np.bool_(False)).spec() == pykvcache.SnapKV(guide=False).spec()
     with pytest.raises(PolicyError, match="guide must be True or False"):
         pykvcache.SnapKV(guide=1.0)
+
+
+def test_threads_that_parse_policies_at_once_in_a_fresh_process():
+    """Two threads that first used the native library at the same moment each opened it, and a struct of one ffi
+    instance was handed to the other ("mixing up different ffi instances"), 5 times in 5 runs."""
+    import subprocess
+    import sys
+
+    script = ("import threading\nfrom pykvcache import parse_policy\nb = threading.Barrier(2); out = []\n"
+              "def w(s):\n    b.wait()\n    out.append(parse_policy(s).spec())\n"
+              "ts = [threading.Thread(target=w, args=(s,)) for s in ('snapkv:budget=64', 'entropy:budget=0.25')]\n"
+              "[t.start() for t in ts]; [t.join() for t in ts]\nassert len(out) == 2, out\n")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "Exception" not in p.stderr, p.stderr

@@ -358,6 +358,18 @@ def test_a_fraction_below_the_protected_tokens_is_said_once(model_path, capsys):
     assert llm.kv_memory().budgets == [33] * 30
 
 
+def test_resizing_the_layers_does_not_flood_the_log(model_path, essays, capsys):
+    """The entropy split resizes the layers' caches, and every llama_kv_cache constructor logged its ~30 filtered
+    layers and buffers: 1500 lines in one prompt with verbose=True, each through llama-cpp-python's Python log
+    callback, where a Ctrl-C got lost."""
+    llm = Llama(model_path, n_ctx=1024, verbose=True, kv_policy=EntropyLayerBudget(budget=0.25))
+    capsys.readouterr()
+    llm.eval(llm.tokenize(" ".join(essays[0].split()[:560]).encode())[:744])
+    assert len(set(llm.kv_memory().budgets)) > 1  # the layers were resized
+    lines = [line for line in capsys.readouterr().err.splitlines() if "llama_kv_cache" in line]
+    assert len(lines) < 10, (len(lines), lines[:5])
+
+
 def test_unsupported_architecture_is_named(tiny_gemma3):
     with pytest.raises(PolicyError, match=r"does not support architecture 'gemma3'.*sliding-window"):
         Llama(tiny_gemma3, n_ctx=256, verbose=False, kv_policy=EntropyLayerBudget(budget=64))

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 
@@ -320,10 +321,43 @@ uint32_t llama_kvp_memory::capacity_for(uint32_t layer_budget) const {
     return std::min<uint32_t>(max_cap, GGML_PAD(layer_budget + chunk + n_guide, n_pad));
 }
 
+// llama.cpp's log while the memory makes a layer's cache: each llama_kv_cache constructor logs a line per model layer
+// it filters out and its buffers, and a resize makes one per layer whose budget moved (1500 lines in one prompt under
+// `entropy`, each through llama-cpp-python's Python log callback, where a Ctrl-C got lost); warnings and errors still
+// pass. One filter for the process, however many contexts make caches at once (llama.cpp's log is global)
+static std::mutex        g_kvp_quiet_mutex;
+static int32_t           g_kvp_quiet_depth = 0;
+static ggml_log_callback g_kvp_quiet_cb    = nullptr;
+static void *            g_kvp_quiet_ud    = nullptr;
+
+static void llama_kvp_quiet_log_cb(ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && g_kvp_quiet_cb) {
+        g_kvp_quiet_cb(level, text, g_kvp_quiet_ud);
+    }
+}
+
+struct llama_kvp_quiet_log {
+    llama_kvp_quiet_log() {
+        std::lock_guard<std::mutex> lock(g_kvp_quiet_mutex);
+        if (g_kvp_quiet_depth++ == 0) {
+            llama_log_get(&g_kvp_quiet_cb, &g_kvp_quiet_ud);
+            llama_log_set(llama_kvp_quiet_log_cb, nullptr);
+        }
+    }
+    ~llama_kvp_quiet_log() {
+        std::lock_guard<std::mutex> lock(g_kvp_quiet_mutex);
+        if (--g_kvp_quiet_depth == 0) {
+            llama_log_set(g_kvp_quiet_cb, g_kvp_quiet_ud);
+        }
+    }
+};
+
 std::unique_ptr<llama_kv_cache> llama_kvp_memory::make_cache(int32_t il, uint32_t size) const {
     const auto & hparams = model.hparams;
     llama_memory_i::layer_filter_cb filter = [il](int32_t i) { return i == il; };
     const std::string tag = "l" + std::to_string(il);
+    llama_kvp_quiet_log quiet;
     return std::make_unique<llama_kv_cache>(
             model, hparams, params.type_k, params.type_v,
             !cparams.flash_attn, cparams.offload_kqv, /*unified: one stream, one sequence in it*/ true,

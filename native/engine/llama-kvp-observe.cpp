@@ -734,10 +734,21 @@ void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
                 continue;
             }
             const llama_pos p1 = st->slot_pos[s];
+            bool any = false;
             for (int64_t j = 0; j < n_kv; ++j) {
                 const llama_pos p0 = pos[j];
                 const bool visible = p0 >= 0 && (!st->causal_attn || p0 <= p1);
                 row[j] = visible ? (alibi ? -(float) std::abs(p0 - p1) : 0.0f) : -INFINITY;
+                any = any || visible;
+            }
+            if (!any) {
+                // a window query older than every token the layer still holds (a budget of a few tokens): its row
+                // would be all -inf, a NaN softmax that makes the layer's entropy and mass NaN (and its budget
+                // collapse); it attends to the held tokens alike, the most uncertain attention there is
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    row[j] = pos[j] >= 0 ? 0.0f : -INFINITY;
+                }
+                row[j_any] = 0.0f;
             }
         }
         if (st->mem && m) {
@@ -1032,7 +1043,8 @@ void llama_kvp_graph_observe(
 
     GGML_ASSERT(n_kv <= L.n_cells);
     // the value norms of the cells, for a score stage that weights the mass by them
-    auto vn = [&]() { return st->policy.vnorm > 0.0f ? llama_kvp_graph_value_norms(gctx, st, ikv, il, n_kv) : nullptr; };
+    const llama_kvp_score_stage * score = llama_kvp_score_of(st->policy);
+    auto vn = [&]() { return score && score->uses_values(st->policy) ? llama_kvp_graph_value_norms(gctx, st, ikv, il, n_kv) : nullptr; };
     ggml_tensor * probs_attn = il < (int) g_graph_probs.size() ? g_graph_probs[il] : nullptr;
 
     // a decode step keeping its attention row: the head mean of its probabilities into the row of its ring slot;
@@ -1539,8 +1551,9 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
     // the rows a policy reads: the last observation where it is given or a score stage ranks by it (`fresh`), the
     // value norm where a score stage weights by it (`vnorm`); all of them in one read and one write of the span from
     // the first row's cell lo to the last row's cell hi (transfers where the scores live in device memory)
-    const bool    row_last  = last || st->policy.fresh > 0.0f;
-    const bool    row_value = st->policy.vnorm > 0.0f;
+    const llama_kvp_score_stage * stage = llama_kvp_score_of(st->policy);
+    const bool    row_last  = last || (stage && stage->uses_last(st->policy));
+    const bool    row_value = stage && stage->uses_values(st->policy);
     const int32_t n_rows    = row_value ? 3 : row_last ? 2 : 1;
     const size_t  nc        = (size_t) L.n_cells;
     llama_kvp_sync(st);

@@ -646,6 +646,7 @@ int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct
     out->retains  = llama_kvp_policy_retains(p) ? 1 : 0;
     out->sparse   = llama_kvp_policy_sparse(p) ? 1 : 0;
     out->guides   = out->retains && prefill && prefill->n_guide(p, UINT32_MAX) > 0 ? 1 : 0;
+    out->rerank_at_end = llama_kvp_latent_at_prompt_end(p) ? 1 : 0;
     return 0;
 }
 

@@ -308,11 +308,22 @@ void    llama_kvp_freeze_ladder (llama_kvp_memory & mem, int32_t * n_level, std:
                                  std::vector<int32_t> * level, std::vector<float> * entropy);
 
 // re-ranks the active and host tokens of every layer now (schedule stage `latent`, stages/schedule-latent.cpp)
-void llama_kvp_latent_rerank(llama_kvp_memory & mem);
+void llama_kvp_latent_rerank_layers(llama_kvp_memory & mem);
+
+// whether the policy re-ranks (schedule `latent`, or `freeze` with gap >= 0), and whether at each prompt's end (gap=0)
+bool llama_kvp_latent_reranks      (const llama_kvp_policy & p);
+bool llama_kvp_latent_at_prompt_end(const llama_kvp_policy & p);
+
+// the end of a prompt tokens[0..n) at positions pos0.. of the memory's current sequence, just evaluated, under a policy
+// that re-ranks there: re-rank, evaluate its last `window` tokens again (only its last one unless `pruned`: they were
+// computed on a pruned cache), re-rank and evaluate its last token again; with `logits`, the rows of the tokens
+// evaluated again ([n][n_vocab]). Returns the most tokens evaluated again (0: none, for another policy), -1 on error
+int32_t llama_kvp_latent_rerun_end(llama_context * ctx, llama_kvp_memory & mem, const llama_token * tokens, int32_t n,
+                                   llama_pos pos0, bool pruned, float * logits);
 
 // before a single-token decode step: re-ranks every layer if the policy's `gap` makes this step due (the `latent`
 // schedule, and `freeze` with gap >= 0)
 void llama_kvp_latent_before_step(llama_kvp_memory & mem);
 
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
-uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);
+uint32_t llama_kvp_host_tier_thaw(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);

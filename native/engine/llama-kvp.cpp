@@ -188,10 +188,10 @@ int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info
 
 // copies one result tensor of every layer into out (layer-major), zeroing the cells past the last observation
 static int32_t llama_kvp_obs_read(
-        llama_context * ctx, llama_kvp_context * st, float * out, size_t n, ggml_tensor * llama_kvp_obs_layer::* member,
+        llama_context * ctx, llama_kvp_context * st, float * out, int32_t n_max, ggml_tensor * llama_kvp_obs_layer::* member,
         int64_t per_layer, int64_t n_rows, int64_t row_len, bool by_cell, int64_t row0 = 0) {
     const size_t need = st->layers.size()*(size_t) per_layer;
-    if (!out || n < need) {
+    if (!out || n_max < 0 || (size_t) n_max < need) {
         llama_kvp_set_error("output buffer too small: need " + std::to_string(need) + " floats");
         return -1;
     }
@@ -213,37 +213,37 @@ static int32_t llama_kvp_obs_read(
     return (int32_t) need;
 }
 
-int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n) {
+int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, int32_t n_max) {
     llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::entropy, st->n_head, 1, st->n_head, false);
+    return llama_kvp_obs_read(ctx, st, out, n_max, &llama_kvp_obs_layer::entropy, st->n_head, 1, st->n_head, false);
 }
 
-int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n) {
+int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, int32_t n_max) {
     llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
+    return llama_kvp_obs_read(ctx, st, out, n_max, &llama_kvp_obs_layer::mass, (int64_t) st->n_head*st->n_cells, st->n_head, st->n_cells, true);
 }
 
-int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, size_t n) {
+int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, int32_t n_max) {
     llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
     if (!st) {
         return -1;
     }
     // the second of mass_acc's rows
-    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true, 1);
+    return llama_kvp_obs_read(ctx, st, out, n_max, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true, 1);
 }
 
-int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n) {
+int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, int32_t n_max) {
     llama_kvp_context * st = llama_kvp_obs_ctx(ctx);
     if (!st) {
         return -1;
     }
-    return llama_kvp_obs_read(ctx, st, out, n, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true);
+    return llama_kvp_obs_read(ctx, st, out, n_max, &llama_kvp_obs_layer::mass_acc, st->n_cells, 1, st->n_cells, true);
 }
 
 int32_t llama_kvp_obs_request(struct llama_context * ctx) {
@@ -865,7 +865,7 @@ int32_t llama_kvp_host_thaw_all(struct llama_context * ctx) {
     llama_synchronize(ctx);
     int32_t res = 0;
     for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
-        res += (int32_t) llama_kvp_host_thaw_all(*mem, i, mem->n_room(i, 1));
+        res += (int32_t) llama_kvp_host_tier_thaw(*mem, i, mem->n_room(i, 1));
     }
     if (mem->stage_schedule) {
         mem->stage_schedule->forget(*mem, 0, -1); // the counts start again
@@ -947,12 +947,27 @@ int32_t llama_kvp_latent_rerank(struct llama_context * ctx) {
     if (!mem) {
         return -1;
     }
-    const int32_t sched = mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE];
-    if (sched != LLAMA_KVP_SCHEDULE_LATENT && !(sched == LLAMA_KVP_SCHEDULE_FREEZE && mem->policy.gap >= 0)) {
+    if (!llama_kvp_latent_reranks(mem->policy)) {
         llama_kvp_set_error("latent re-ranking needs the latent schedule or freeze with gap >= 0 (e.g. snapkv:budget=0.1+host+latent:gap=0)");
         return -1;
     }
     llama_synchronize(ctx);
-    llama_kvp_latent_rerank(*mem);
+    llama_kvp_latent_rerank_layers(*mem);
     return 0;
+}
+
+int32_t llama_kvp_latent_prompt_end(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                    int32_t pruned, float * logits) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
+    if (!mem || !llama_kvp_latent_at_prompt_end(mem->policy) || n_tokens < 2) {
+        return 0; // nothing to do at a prompt's end
+    }
+    if (!tokens || pos0 < 0) {
+        llama_kvp_set_error("latent_prompt_end: need the prompt's tokens and pos0 >= 0");
+        return -1;
+    }
+    return llama_kvp_latent_rerun_end(ctx, *mem, tokens, n_tokens, pos0, pruned != 0, logits);
 }

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 20
+#define LLAMA_KVP_API_VERSION 21
 
 #ifdef __cplusplus
 extern "C" {
@@ -152,6 +152,7 @@ struct llama_kvp_policy_desc {
     int32_t retains;       // 1: one budgeted KV cache per layer (evicts tokens)
     int32_t guides;        // 1: prompt chunks are guided by the prompt's end
     int32_t sparse;        // 1: prompt ubatches run block-sparse attention (prefill stage `sparse`)
+    int32_t rerank_at_end; // 1: each prompt's end is re-ranked (gap=0 `latent`, or `freeze`): call llama_kvp_latent_prompt_end
 };
 
 // per layer of the KV cache, as allocated in the real ggml buffers
@@ -183,65 +184,66 @@ struct llama_kvp_obs_info {
     int32_t pos_entropy;   // the last query position of the entropy's observation
 };
 
-int32_t llama_kvp_api_version(void);
+LLAMA_KVP_API int32_t llama_kvp_api_version(void);
 
 // thread-local message of the last failure on this thread ("" if none), and its reset
-const char * llama_kvp_last_error(void);
-void         llama_kvp_clear_error(void);
+LLAMA_KVP_API const char * llama_kvp_last_error(void);
+LLAMA_KVP_API void         llama_kvp_clear_error(void);
 
 // defaults of a policy type
-struct llama_kvp_policy llama_kvp_policy_default(int32_t type);
+LLAMA_KVP_API struct llama_kvp_policy llama_kvp_policy_default(int32_t type);
 
 // parse a spec into *out; returns 0, or -1 with a one-line error naming the bad preset, stage or key. Grammar:
 //   spec := part ("+" part)*      part := name [":" key "=" value ("," key "=" value)*]
 // the first part names a preset, the others stages that replace the preset's stage in their slot; a stage part
 // takes the stage's keys (its keys the preset does not expose start at the stage's defaults)
-int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out);
+LLAMA_KVP_API int32_t llama_kvp_policy_parse(const char * spec, struct llama_kvp_policy * out);
 
 // what a policy is made of; returns 0, or -1 for an invalid policy
-int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct llama_kvp_policy_desc * out);
+LLAMA_KVP_API int32_t llama_kvp_policy_describe(const struct llama_kvp_policy * policy, struct llama_kvp_policy_desc * out);
 
 // writes a listing of the presets and stages with their keys, one per line (at most `size` bytes, NUL included);
 // returns its length
-int32_t llama_kvp_policy_help(char * buf, size_t size);
+LLAMA_KVP_API int32_t llama_kvp_policy_help(char * buf, size_t size);
 
 // checks the parameters of a policy; returns 0, or -1 with the reason
-int32_t llama_kvp_policy_validate(const struct llama_kvp_policy * policy);
+LLAMA_KVP_API int32_t llama_kvp_policy_validate(const struct llama_kvp_policy * policy);
 
 // writes the canonical spec string of a policy (at most `size` bytes, NUL included); returns its length. It names
 // the preset with every key it exposes, then each stage that differs from the preset's with its other keys, and
 // parses back to the same policy; -1 (with the reason) for a policy llama_kvp_policy_validate refuses
-int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char * buf, size_t size);
+LLAMA_KVP_API int32_t llama_kvp_policy_to_string(const struct llama_kvp_policy * policy, char * buf, size_t size);
 
 // the next llama_context created on this thread takes this policy (NULL clears it)
-int32_t llama_kvp_set_pending(const struct llama_kvp_policy * policy);
-void    llama_kvp_clear_pending(void);
+LLAMA_KVP_API int32_t llama_kvp_set_pending(const struct llama_kvp_policy * policy);
+LLAMA_KVP_API void    llama_kvp_clear_pending(void);
 
 // the policy of a context (type NONE if it has none)
-int32_t llama_kvp_get_policy(struct llama_context * ctx, struct llama_kvp_policy * out);
+LLAMA_KVP_API int32_t llama_kvp_get_policy(struct llama_context * ctx, struct llama_kvp_policy * out);
 
 // number of KV-cache layers of the context, then their stats (works for any context, with or without a policy)
-int32_t llama_kvp_n_layers(struct llama_context * ctx);
-int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_layer_stats * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_n_layers(struct llama_context * ctx);
+LLAMA_KVP_API int32_t llama_kvp_get_layer_stats(struct llama_context * ctx, struct llama_kvp_layer_stats * out, int32_t n_max);
 
 // positions held by the cells of the KV cache (-1 for an empty cell); returns the number of cells written
-int32_t llama_kvp_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max);
 
 // positions the cells held at the last observation (-1: empty); returns the number of cells written
-int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_obs_cell_pos(struct llama_context * ctx, int32_t * out, int32_t n_max);
 
-// observation results (policy with observation only); call after llama_decode, they synchronize the context
-int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info * out);
+// observation results (policy with observation only); call after llama_decode, they synchronize the context; each
+// writes all of its floats into out (n_max of room) and returns their count, or -1 (with the count needed)
+LLAMA_KVP_API int32_t llama_kvp_obs_info(struct llama_context * ctx, struct llama_kvp_obs_info * out);
 // entropy (nats) of each query head's attention, averaged over the window queries: out[n_layer*n_head]
-int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, size_t n);
+LLAMA_KVP_API int32_t llama_kvp_obs_entropy(struct llama_context * ctx, float * out, int32_t n_max);
 // attention mass of each cell, averaged over the window queries: out[n_layer*n_head*n_cells], cell fastest
-int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, size_t n);
+LLAMA_KVP_API int32_t llama_kvp_obs_mass(struct llama_context * ctx, float * out, int32_t n_max);
 // attention mass of each cell at the last observation, averaged over heads and the window queries: out[n_layer*n_cells]
-int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, size_t n);
+LLAMA_KVP_API int32_t llama_kvp_obs_mass_last(struct llama_context * ctx, float * out, int32_t n_max);
 // accumulated (decayed) mass of each cell, averaged over heads: out[n_layer*n_cells]
-int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, size_t n);
+LLAMA_KVP_API int32_t llama_kvp_obs_mass_acc(struct llama_context * ctx, float * out, int32_t n_max);
 // make the next single-token decode step observe, whatever `every` says
-int32_t llama_kvp_obs_request(struct llama_context * ctx);
+LLAMA_KVP_API int32_t llama_kvp_obs_request(struct llama_context * ctx);
 
 // --- sparse prefill (prefill stage `sparse`) ---
 
@@ -253,13 +255,13 @@ struct llama_kvp_sparse_info {
     int32_t block;      // KV cells per key block
 };
 
-int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out);
+LLAMA_KVP_API int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out);
 
 // telemetry of the sequence's prompt ubatches that ran sparse (synchronizes); any output may be NULL:
 //   counts[n_layer*3]            key blocks computed, key blocks a dense attention computes, sparse ubatches
 //   dynamic[n_layer*n_head]      1 for a Dynamic head, 0 for a Rigid one (after the last segment)
 //   budgets[n_layer*n_seg*n_head] tokens per segment and head; entropy[...]: normalised block entropy
-int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg);
+LLAMA_KVP_API int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg);
 
 // --- retention policies (one KV cache per layer) ---
 
@@ -293,24 +295,24 @@ struct llama_kvp_layer_budget {
 };
 
 // before a new prompt (cache empty): resolves a fractional budget against n_prompt and resizes the layer caches
-int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
+LLAMA_KVP_API int32_t llama_kvp_set_prompt_len(struct llama_context * ctx, int32_t n_prompt);
 
 // before a new prompt of n_prompt tokens on a cache that holds a previous sequence whose first n_want tokens equal the
 // prompt's: keeps the longest prefix (<= n_want) whose state is the one a fresh evaluation of the prompt reaches
 // there, removes the rest and restarts the policy for the prompt (budgets, scores, decode schedule). Returns the
 // positions kept: the caller evaluates the prompt from there (0: the cache is empty, evaluate it all).
-int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int32_t n_want);
+LLAMA_KVP_API int32_t llama_kvp_prompt_reuse(struct llama_context * ctx, int32_t n_prompt, int32_t n_want);
 
 // several sequences (a context with n_seq_max > 1): every sequence has layer caches, budgets, scores and stage state
 // of its own, as if it had a context of n_ctx/n_seq_max tokens; each token of a batch belongs to one sequence. The
 // functions of this header act on the current sequence: the one whose tokens were decoded last, or the one this
 // selects (e.g. before llama_kvp_set_prompt_len or the telemetry of a sequence).
-int32_t llama_kvp_seq_select(struct llama_context * ctx, int32_t seq_id);
+LLAMA_KVP_API int32_t llama_kvp_seq_select(struct llama_context * ctx, int32_t seq_id);
 
-int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
+LLAMA_KVP_API int32_t llama_kvp_memory_info(struct llama_context * ctx, struct llama_kvp_memory_info * out);
 
 // starts a new peak: bytes_peak = bytes now (e.g. after llama_kvp_set_prompt_len, to measure one prompt)
-int32_t llama_kvp_reset_peak(struct llama_context * ctx);
+LLAMA_KVP_API int32_t llama_kvp_reset_peak(struct llama_context * ctx);
 
 // host time of the policy: the memory's and the observation's own work around llama.cpp's graphs (as
 // llama_perf_context_data times llama.cpp's), summed since the context was created or llama_kvp_perf_reset
@@ -322,39 +324,39 @@ struct llama_kvp_perf_data {
     int32_t n_ubatch;     // ubatches a retention policy's memory prepared (0 without one)
 };
 
-int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out);
-int32_t llama_kvp_perf_reset(struct llama_context * ctx);
+LLAMA_KVP_API int32_t llama_kvp_perf(struct llama_context * ctx, struct llama_kvp_perf_data * out);
+LLAMA_KVP_API int32_t llama_kvp_perf_reset(struct llama_context * ctx);
 
 // question-guided prefill (policy with guide = 1): decodes tokens[0..k) at positions pos0.. in chunks, running the
 // prompt's last `window` tokens behind each chunk (at the positions that follow it, then removed) so that every chunk
 // is scored by the end of the prompt, as SnapKV scores a whole prompt. Returns k; the caller decodes tokens[k..n)
 // itself (one chunk that ends with those tokens, with the logits it wants). 0 when there is nothing to guide.
-int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0);
+LLAMA_KVP_API int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0);
 // the same, with the logits of tokens[0..k) written to logits [k][n_vocab] (NULL: none), for a caller that keeps every
 // token's logits (llama-cpp-python's logits_all); the guide behind a chunk does not change its tokens' logits
-int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+LLAMA_KVP_API int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
                                         float * logits);
 
 // the position of the prompt's last token (-1: none said). Where it is said, the prompt's end is that token's ubatch,
 // not the last ubatch that asks for logits: summarise fits its bins' rest there and sparse prefill attends to every
 // block in that token's segment alone, so that asking logits for every token (logits_all) changes nothing else
-int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos);
+LLAMA_KVP_API int32_t llama_kvp_set_prompt_end(struct llama_context * ctx, int32_t pos);
 
 // per-layer budgets of a retention policy; returns the number of layers written
-int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_get_budgets(struct llama_context * ctx, struct llama_kvp_layer_budget * out, int32_t n_max);
 
 // positions held by the cells of KV layer ikv (-1: empty); returns the number of cells written
-int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_layer_cell_pos(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
 
 // splits total tokens over n_layer layers in proportion to entropy, each within [min_layer, max_layer], summing to
 // total exactly (pure function, used by the entropy policy); returns 0, or -1 if the bounds make it impossible
-int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
+LLAMA_KVP_API int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64_t total,
                                    int32_t min_layer, int32_t max_layer, int32_t * out);
 
 // the tokens layer il of n_layer keeps out of n (in position order, with the observed attention mass of each, the
 // mass of the last observation alone, NULL: the same, and the norm of its value vectors, NULL: all 1) when it keeps
 // n_keep of them: keep[j] = 1 or 0 (pure function: the score stage's sinks, recent tokens and top-k by its scores)
-int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
+LLAMA_KVP_API int32_t llama_kvp_select_tokens(const struct llama_kvp_policy * p, int32_t il, int32_t n_layer, const float * mass,
                                 const float * last, const float * value, int32_t n, int32_t n_keep, int32_t * keep);
 
 // --- summarise fate (fate stage `summarise`) ---
@@ -373,26 +375,26 @@ struct llama_kvp_summary_stats {
 };
 
 // counters of the summarise fate over all layers; returns 0, or -1 if the policy does not summarise
-int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out);
+LLAMA_KVP_API int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out);
 
 // positions of the tokens KV layer ikv holds summarised: those of the bins replaced by centroids that still have a
 // centroid cell in the layer (a bin whose centroids all left is dropped); returns their count (the positions written
 // are the first n_max)
-int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
 
 // positions of the tokens waiting in KV layer ikv's bin (left the cache, in host memory, not fitted yet); returns
 // their count (the positions written are the first n_max)
-int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max);
 
 // mask bias of each cell of KV layer ikv: log of the tokens a centroid cell stands for, 0 for a token's own cell;
 // returns the number of cells written
-int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max);
 
 // fits `rank` centroids that replace n tokens of one KV head (pure function, used by the summarise fate): q [m][d]
 // reference queries, k [n][d], v [n][dv] (row-major, split into `rank` runs of consecutive rows, run r of
 // (r+1)*n/rank - r*n/rank rows: the summarise fate orders the rows so that a run holds similar keys); writes k_out [rank][d], v_out [rank][dv], the count of tokens of each run in cnt_out [rank] and the fit's
 // errors in err_out[2] (relative output error, mean |log mass error|); returns 0, or -1 if the fit failed
-int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, const float * v, int32_t n, int32_t d, int32_t dv,
+LLAMA_KVP_API int32_t llama_kvp_summarise_fit(const float * q, int32_t m, const float * k, const float * v, int32_t n, int32_t d, int32_t dv,
                                 float scale, int32_t rank, float * k_out, float * v_out, int32_t * cnt_out, float * err_out);
 
 // --- host tier (fate stage `host`, schedule stage `freeze`) ---
@@ -415,15 +417,15 @@ struct llama_kvp_host_stats {
 };
 
 // counters of the host tier over all layers; returns 0, or -1 if the policy has no host tier
-int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out);
+LLAMA_KVP_API int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out);
 
 // the tokens of KV layer ikv in the host tier: positions and timers (0: cold, > 0: decode steps until it thaws);
 // returns their count (the first n_max are written; either output may be NULL)
-int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max);
 
 // moves every token of the host tier back into the layer caches as far as their cells allow (a budget's eviction
 // may send some back at the next step) and clears the freeze counts; returns the tokens thawed
-int32_t llama_kvp_host_thaw_all(struct llama_context * ctx);
+LLAMA_KVP_API int32_t llama_kvp_host_thaw_all(struct llama_context * ctx);
 
 // the entropy recovery ladder (schedule stage `freeze` with z > 0; ASR-KF-EGR §3.6): after each generated token,
 // pass the logits it was sampled from. The entropy of that distribution is compared with its running mean + z*sd;
@@ -431,36 +433,44 @@ int32_t llama_kvp_host_thaw_all(struct llama_context * ctx);
 // Reset (thaw every token frozen in the last `span` steps), 3 Full Reset (thaw everything, clear the counts), 4 Rewalk
 // (a Full Reset, and the caller rolls back its last `rewalk` tokens and generates them again: it must remove their
 // positions). `span` calm steps bring the ladder back down. Returns the level acted on (0: none), -1 on error.
-int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits, int32_t n_vocab);
+LLAMA_KVP_API int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits, int32_t n_vocab);
 
 // the ladder's events so far: decode step, level (1-4) and the entropy (nats) that set it off; returns their count
 // (the first n_max are written; any output may be NULL)
-int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max);
 
 // latent re-ranking now (schedule stage `latent`, or `freeze` with gap >= 0): each layer keeps the best of its active and
-// host tokens for the observation window's queries; returns 0, or -1 if the policy re-ranks nothing. With gap=0 the caller
-// (Python's Llama, kvbench) calls it at the end of each prompt, evaluates the prompt's last `window` tokens again (their
-// queries now see what came back), calls it again and evaluates the last token again.
-int32_t llama_kvp_latent_rerank(struct llama_context * ctx);
+// host tokens for the observation window's queries; returns 0, or -1 if the policy re-ranks nothing
+LLAMA_KVP_API int32_t llama_kvp_latent_rerank(struct llama_context * ctx);
+
+// the end of a prompt, for a policy that re-ranks there (llama_kvp_policy_desc.rerank_at_end: gap=0): the caller (Python's
+// Llama, kvbench) has just evaluated tokens[0..n_tokens) at positions pos0.. of the current sequence; every layer is
+// re-ranked by the prompt's end, its last `window` tokens are evaluated again so that their queries see what came back
+// (only its last token unless `pruned`: where no eviction reached the prompt, its tokens saw their whole context), the
+// layers are re-ranked again and the last token evaluated again, with its logits as llama_get_logits_ith(ctx, -1).
+// `logits` (may be NULL) takes the rows of the tokens evaluated again ([n_tokens][n_vocab], as the prompt's). Returns the
+// most tokens evaluated again, 0 for any other policy or a prompt of one token, -1 on error
+LLAMA_KVP_API int32_t llama_kvp_latent_prompt_end(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                    int32_t pruned, float * logits);
 
 // raw K and V bytes of the cell of KV layer ikv that holds pos, in the cache's types and basis (k_out, v_out may be NULL; each
 // must hold the count a call with NULL outputs returns); returns the K bytes + V bytes, 0 if no cell holds pos, -1
 // on error
-int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out);
+LLAMA_KVP_API int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out);
 
 // K and V of every cell of KV layer ikv (the per-layer memory's or llama.cpp's own cache), as f32 rows: k_out
 // [n_max][n_embd_k], v_out [n_max][n_embd_v] (either may be NULL), cells in the order of llama_kvp_layer_cell_pos;
 // writes the row sizes (n_embd_k_gqa, n_embd_v_gqa) where the pointers are not NULL; returns the number of cells, -1 on
 // error (more cells than n_max with an output given). Rows are in the model's basis: where llama.cpp rotates a quantized
 // cache's rows (a Walsh-Hadamard matrix per 64 or more values), the rotation is undone.
-int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
+LLAMA_KVP_API int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_out, float * v_out, int32_t n_max,
                            int32_t * n_embd_k, int32_t * n_embd_v);
 
 // the post-RoPE queries the observation window of KV layer ikv holds (every query head): q_out [n_max][n_head*n_embd_head]
 // (head-major within a row; may be NULL) and their positions in pos_out (may be NULL); writes the row size and the
 // layer's attention scale where the pointers are not NULL; returns the number of queries, -1 on error (the policy does
 // not observe, or more queries than n_max with an output given); in the model's basis, as llama_kvp_layer_kv's K
-int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
+LLAMA_KVP_API int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q_out, int32_t * pos_out, int32_t n_max,
                               int32_t * n_embd_q, float * scale);
 
 // per cell of KV layer ikv, now: the entropy of its token's head-mean attention over the observation window's queries
@@ -468,7 +478,7 @@ int32_t llama_kvp_obs_queries(struct llama_context * ctx, int32_t ikv, float * q
 // summarise's `lam`. ent_out [n_max] and pos_out [n_max] (the cell's position, -1: empty; either may be NULL); returns
 // the cells covered, -1 on error (the policy keeps no per-query rows: it does not observe, or has no per-layer memory,
 // or a window of one query; or the buffers hold fewer than the cells)
-int32_t llama_kvp_obs_query_entropy(struct llama_context * ctx, int32_t ikv, float * ent_out, int32_t * pos_out, int32_t n_max);
+LLAMA_KVP_API int32_t llama_kvp_obs_query_entropy(struct llama_context * ctx, int32_t ikv, float * ent_out, int32_t * pos_out, int32_t n_max);
 
 // cffi-end
 

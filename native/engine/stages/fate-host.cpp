@@ -3,7 +3,7 @@
 //
 // What moves is the raw bytes of the token's K row and V elements, in the cache's own type (keys are stored after
 // RoPE and positions never change, so a token that comes back is bit for bit the token that left). A token sent by
-// the budget's eviction is cold: it stays until it is thawed by name (llama_kvp_host_thaw_all; latent re-ranking and
+// the budget's eviction is cold: it stays until it is thawed by name (llama_kvp_host_tier_thaw; latent re-ranking and
 // the recovery ladder will). A token frozen by the `freeze` schedule carries a timer and thaws by itself. The tier
 // holds at most `limit` tokens per layer (0: the context size); past it the coldest are dropped for good: cold tokens
 // before frozen ones, each by lowest score.
@@ -264,7 +264,7 @@ uint32_t llama_kvp_host_thaw_frozen(llama_kvp_memory & mem, int32_t ikv, int32_t
     return llama_kvp_host_restore(mem, ikv, S, which);
 }
 
-uint32_t llama_kvp_host_thaw_all(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
+uint32_t llama_kvp_host_tier_thaw(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room) {
     auto & L = mem.layers[ikv];
     if (!L.fate) {
         return 0;

@@ -362,7 +362,7 @@ struct llama_kvp_schedule_freeze : llama_kvp_schedule_stage {
             } else if (level == 2) {
                 llama_kvp_host_thaw_frozen(mem, ikv, 1, mem.n_steps_total - p.span, room);
             } else {
-                llama_kvp_host_thaw_all(mem, ikv, room);
+                llama_kvp_host_tier_thaw(mem, ikv, room);
             }
         }
         if (level >= 3) { // the counts start again; the ladder's own statistics stay

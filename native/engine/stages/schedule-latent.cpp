@@ -12,8 +12,9 @@
 // after them) and turned into eviction scores by the policy's score stage (its pooling). The layer then keeps what an
 // eviction would keep from all of them: the sinks, the recent window and the best by score up to its budget. Host
 // tokens that make it thaw into the cache; active tokens that do not go to the host tier (cold). With repeat=1 again
-// every `gap` steps. With gap=0 the caller re-ranks at the end of each prompt (llama_kvp_latent_rerank), evaluates the
-// window's tokens again so that the question's queries see what came back, and re-ranks with those better queries.
+// every `gap` steps. With gap=0 the caller marks the end of each prompt (llama_kvp_latent_prompt_end, below): every
+// layer is re-ranked by the prompt's end, the window's tokens are evaluated again so that the question's queries see
+// what came back, and the layers are re-ranked with those better queries.
 // Between re-rankings the scores are refreshed every `every` decode steps, as the `every` schedule does.
 //
 // It needs the host fate: the tokens a budget evicts must be kept to be re-ranked. The `freeze` schedule re-ranks the
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <string>
 
 // how far forward an attended token lends its score in a re-ranking (tokens)
 #define LLAMA_KVP_LATENT_REACH 8
@@ -259,12 +261,66 @@ void llama_kvp_latent_before_step(llama_kvp_memory & mem) {
     const int32_t k = mem.n_since_prompt;
     const bool due = p.gap > 0 && (p.repeat ? (k + 1) % p.gap == 0 : k + 1 == p.gap);
     if (due && mem.st) {
-        llama_kvp_latent_rerank(mem);
+        llama_kvp_latent_rerank_layers(mem);
     }
 }
 
-void llama_kvp_latent_rerank(llama_kvp_memory & mem) {
+void llama_kvp_latent_rerank_layers(llama_kvp_memory & mem) {
     for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
         llama_kvp_schedule_latent::rerank(mem, ikv);
     }
+}
+
+bool llama_kvp_latent_reranks(const llama_kvp_policy & p) {
+    const int32_t sched = p.stage[LLAMA_KVP_SLOT_SCHEDULE];
+    return sched == LLAMA_KVP_SCHEDULE_LATENT || (sched == LLAMA_KVP_SCHEDULE_FREEZE && p.gap >= 0);
+}
+
+bool llama_kvp_latent_at_prompt_end(const llama_kvp_policy & p) {
+    return llama_kvp_latent_reranks(p) && p.gap == 0;
+}
+
+int32_t llama_kvp_latent_rerun_end(llama_context * ctx, llama_kvp_memory & mem, const llama_token * tokens, int32_t n,
+                                   llama_pos pos0, bool pruned, float * logits) {
+    if (!llama_kvp_latent_at_prompt_end(mem.policy) || n < 2) {
+        return 0;
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    const int32_t n_batch = (int32_t) llama_n_batch(ctx);
+    // the window's tokens again only where they were computed on a pruned cache: a new prompt that no eviction
+    // reached saw its whole context, which a re-ranking can only take away; then the last token, which the next reads
+    const int32_t k_redo[2] = { pruned ? std::max(1, std::min(n, (int32_t) mem.policy.window)) : 1, 1 };
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    int32_t res = 0;
+    for (const int32_t k : k_redo) {
+        llama_synchronize(ctx);
+        llama_kvp_latent_rerank_layers(mem);
+        llama_memory_seq_rm(llama_get_memory(ctx), mem.seq_cur, pos0 + n - k, -1);
+        for (int32_t i0 = n - k; i0 < n && res >= 0; i0 += n_batch) {
+            const int32_t m = std::min(n_batch, n - i0);
+            batch.n_tokens = m;
+            for (int32_t j = 0; j < m; ++j) {
+                batch.token[j]     = tokens[i0 + j];
+                batch.pos[j]       = pos0 + i0 + j;
+                batch.n_seq_id[j]  = 1;
+                batch.seq_id[j][0] = mem.seq_cur;
+                batch.logits[j]    = logits || i0 + j == n - 1;
+            }
+            const int32_t ret = llama_decode(ctx, batch);
+            if (ret != 0) {
+                llama_kvp_set_error("latent re-ranking: llama_decode failed (" + std::to_string(ret) + ") at position " +
+                        std::to_string(pos0 + i0));
+                res = -1;
+            }
+            for (int32_t j = 0; ret == 0 && logits && j < m; ++j) {
+                std::copy_n(llama_get_logits_ith(ctx, j), n_vocab, logits + (size_t) (i0 + j)*n_vocab);
+            }
+        }
+        if (res < 0) {
+            break;
+        }
+        res = std::max(res, k);
+    }
+    llama_batch_free(batch);
+    return res;
 }
