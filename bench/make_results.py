@@ -204,8 +204,13 @@ Raw: [results/{part.name}](results/{part.name}). {res2['cpu']}, {res2['threads']
 Raw: [results/{path.name}](results/{path.name}). {res['cpu']}, {res['threads']} threads. Every policy is fed the full
 cache's own greedy tokens one decode step at a time; KL and top-1 are against the full cache's next-token
 distribution at each step. Active tokens: tokens the layer caches hold, summed over layers (the full cache: tokens x
-layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost of the observation alone. With
-`z` > 0 the recovery ladder acts at levels 1-3 on these given tokens (a Rewalk needs a free generation).
+layers). `h2o:budget=<context>` observes every step and evicts nothing: the cost of the observation alone. Its KL is
+not 0: an observed decode step computes its attention with the sparse op's probabilities mode
+(`ggml_sparse_attn_ext_probs`, which keeps the probabilities) in place of llama.cpp's flash attention, and the two
+round otherwise (the library's own distance from a float64 forward pass is KL 0.003, tests/test_build.py). With
+`z` > 0 the recovery ladder acts at levels 1-3 on these given tokens (a Rewalk needs a free generation). The full
+cache's greedy text depends on the thread count (another order of the sums): at 1 thread it is another text and the
+figures differ (2026-11-28: freeze KL 0.047, H2O at 100 tokens 0.10, against 0.061 and 0.30 here).
 
 ![active KV tokens over the generation](results/freeze_active.png)
 
