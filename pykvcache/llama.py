@@ -18,6 +18,7 @@ from .cache_types import cache_type_name, is_quantized
 from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
+from .stages import fate_host, fate_summarise, prefill_sparse, schedule_freeze
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
 
@@ -498,119 +499,25 @@ class Llama(llama_cpp.Llama):
 
     def kv_sparse(self) -> SparseTelemetry:
         """Sparse prefill telemetry: Rigid/Dynamic heads, budgets per segment, density per layer."""
-        ffi, lib = native()
-        ctx = self._native_ctx()
-        info = ffi.new("struct llama_kvp_sparse_info *")
-        if lib.llama_kvp_sparse_info(ctx, info) != 0:
-            raise PolicyError(last_error())
-        n_layer, n_head, n_seg = int(info.n_layer), int(info.n_head), int(info.n_seg)
-        counts = np.zeros((n_layer, 3), dtype=np.float32)
-        dynamic = np.zeros((n_layer, n_head), dtype=np.float32)
-        budgets = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
-        entropy = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
-
-        def ptr(a: np.ndarray) -> Any:
-            return ffi.cast("float *", ffi.from_buffer(a))
-
-        if lib.llama_kvp_sparse_telemetry(ctx, ptr(counts), ptr(dynamic), ptr(budgets), ptr(entropy), n_seg) < 0:
-            raise RuntimeError(last_error())
-        computed, visible = counts[:, 0].astype(np.float64), counts[:, 1].astype(np.float64)
-        density = np.where(visible > 0, computed / np.maximum(visible, 1.0), 1.0)
-        return SparseTelemetry(
-            layers=np.array([s.layer for s in self.kv_stats().layers], dtype=np.int32), density=density,
-            n_ubatch=counts[:, 2].astype(np.int64), n_computed=computed, n_visible=visible,
-            dynamic=dynamic > 0.5, budgets=budgets, entropy=entropy, segment=int(info.segment), block=int(info.block))
+        return prefill_sparse.read_telemetry(self)
 
     def kv_summary(self) -> SummaryTelemetry:
         """Summarise fate telemetry: bins, centroids, fit errors, and per layer x position kept/summarised/dropped."""
-        ffi, lib = native()
-        ctx = self._native_ctx()
-        out = ffi.new("struct llama_kvp_summary_stats *")
-        if lib.llama_kvp_summary(ctx, out) != 0:
-            raise PolicyError(last_error())
-        layers = self.kv_stats().layers
-
-        def positions(fn: Any, s: int) -> np.ndarray:
-            n = fn(ctx, s, ffi.NULL, 0)
-            buf = np.zeros(max(n, 1), dtype=np.int32)
-            if n < 0 or fn(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(buf)), n) < 0:
-                raise RuntimeError(last_error())
-            return buf[:n]
-
-        per_layer = []
-        for s, layer in enumerate(layers):
-            pos = np.zeros(layer.n_cells, dtype=np.int32)
-            bias = np.zeros(layer.n_cells, dtype=np.float32)
-            if (lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0
-                    or lib.llama_kvp_layer_cell_bias(ctx, s, ffi.cast("float *", ffi.from_buffer(bias)), bias.size) < 0):
-                raise RuntimeError(last_error())
-            per_layer.append((positions(lib.llama_kvp_layer_summarised, s), positions(lib.llama_kvp_layer_pending, s),
-                              pos, bias))
-        # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
-        n_pos = max([int(self.n_tokens), 1] + [int(a.max()) + 1 for layer in per_layer for a in layer[:3] if a.size])
-        state = np.zeros((len(layers), n_pos), dtype=np.int8)
-        for s, (done, pending, pos, bias) in enumerate(per_layer):
-            state[s, done[done >= 0]] = SummaryTelemetry.SUMMARISED
-            state[s, pending[pending >= 0]] = SummaryTelemetry.PENDING
-            held = pos >= 0
-            state[s, pos[held & (bias == 0)]] = SummaryTelemetry.KEPT
-            state[s, pos[held & (bias != 0)]] = SummaryTelemetry.CENTROID
-        return SummaryTelemetry(
-            state=state, n_bins=int(out.n_bins), n_fallback=int(out.n_fallback), n_tokens=int(out.n_tokens),
-            n_pending=int(out.n_pending), n_centroids=int(out.n_centroids), pending_bytes=int(out.pending_bytes),
-            fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms),
-            n_dropped=int(out.n_dropped))
+        return fate_summarise.read_telemetry(self)
 
     def kv_host(self) -> HostTelemetry:
         """Host tier telemetry: tokens and bytes, freeze/thaw counts, and the state of each layer's positions.
 
         Active, frozen and host tokens and bytes, freeze/thaw counts, and per layer x position
         active/frozen/cold/dropped."""
-        ffi, lib = native()
-        ctx = self._native_ctx()
-        out = ffi.new("struct llama_kvp_host_stats *")
-        if lib.llama_kvp_host(ctx, out) != 0:
-            raise PolicyError(last_error())
-        layers = self.kv_stats().layers
-        per_layer = []
-        for s, layer in enumerate(layers):
-            n = lib.llama_kvp_layer_host(ctx, s, ffi.NULL, ffi.NULL, 0)
-            hpos = np.zeros(max(n, 1), dtype=np.int32)
-            timer = np.zeros(max(n, 1), dtype=np.int32)
-            pos = np.zeros(layer.n_cells, dtype=np.int32)
-            if (n < 0 or lib.llama_kvp_layer_host(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(hpos)),
-                                                  ffi.cast("int32_t *", ffi.from_buffer(timer)), n) < 0
-                    or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0):
-                raise RuntimeError(last_error())
-            per_layer.append((hpos[:n], timer[:n], pos))
-        # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
-        n_pos = max([int(self.n_tokens), 1] + [int(a.max()) + 1 for h, _, p in per_layer for a in (h, p) if a.size])
-        state = np.zeros((len(layers), n_pos), dtype=np.int8)
-        for s, (hpos, timer, pos) in enumerate(per_layer):
-            ok = hpos >= 0
-            state[s, hpos[ok & (timer > 0)]] = HostTelemetry.FROZEN
-            state[s, hpos[ok & (timer == 0)]] = HostTelemetry.COLD
-            state[s, pos[pos >= 0]] = HostTelemetry.ACTIVE
-        return HostTelemetry(
-            state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
-            host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),
-            n_thaw=int(out.n_thaw), n_evict=int(out.n_evict), n_dropped=int(out.n_dropped), n_steps=int(out.n_steps),
-            t_ms=float(out.t_ms), n_rerank=int(out.n_rerank), n_promote=int(out.n_promote),
-            n_recover=tuple(int(out.n_recover[i]) for i in range(4)))
+        return fate_host.read_telemetry(self)
 
     def kv_recovery_events(self) -> List[RecoveryEvent]:
         """Events of the freeze schedule's recovery ladder so far.
 
         Each event: its decode step, level (1 Soft Reset, 2 Window Reset, 3 Full Reset, 4 Rewalk) and the next-token
         entropy that set it off."""
-        ffi, lib = native()
-        ctx = self._native_ctx()
-        n = lib.llama_kvp_recover_events(ctx, ffi.NULL, ffi.NULL, ffi.NULL, 0)
-        if n < 0:
-            raise PolicyError(last_error())
-        step, level, ent = ffi.new("int32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)), ffi.new("float[]", max(n, 1))
-        lib.llama_kvp_recover_events(ctx, step, level, ent, n)
-        return [RecoveryEvent(int(step[i]), int(level[i]), float(ent[i])) for i in range(n)]
+        return schedule_freeze.read_recovery_events(self)
 
     def kv_thaw_all(self) -> int:
         """Move every token of the host tier back into the layer caches (as far as their budgets allow).

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
-from ..policies import Stage
+import numpy as np
+
+from .._native import last_error, native
+from ..policies import PolicyError, Stage
+from ..telemetry import HostTelemetry
+
+if TYPE_CHECKING:
+    from ..llama import Llama
 
 
 @dataclass(frozen=True)
@@ -19,3 +26,38 @@ class HostFate(Stage):
     slot: ClassVar[str] = "fate"
 
     limit: Optional[int] = None
+
+
+def read_telemetry(llm: "Llama") -> HostTelemetry:
+    """Host tier telemetry of a context: tokens and bytes, freeze/thaw counts, and each layer's positions' state."""
+    ffi, lib = native()
+    ctx = llm._native_ctx()
+    out = ffi.new("struct llama_kvp_host_stats *")
+    if lib.llama_kvp_host(ctx, out) != 0:
+        raise PolicyError(last_error())
+    layers = llm.kv_stats().layers
+    per_layer = []
+    for s, layer in enumerate(layers):
+        n = lib.llama_kvp_layer_host(ctx, s, ffi.NULL, ffi.NULL, 0)
+        hpos = np.zeros(max(n, 1), dtype=np.int32)
+        timer = np.zeros(max(n, 1), dtype=np.int32)
+        pos = np.zeros(layer.n_cells, dtype=np.int32)
+        if (n < 0 or lib.llama_kvp_layer_host(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(hpos)),
+                                              ffi.cast("int32_t *", ffi.from_buffer(timer)), n) < 0
+                or lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0):
+            raise RuntimeError(last_error())
+        per_layer.append((hpos[:n], timer[:n], pos))
+    # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
+    n_pos = max([int(llm.n_tokens), 1] + [int(a.max()) + 1 for h, _, p in per_layer for a in (h, p) if a.size])
+    state = np.zeros((len(layers), n_pos), dtype=np.int8)
+    for s, (hpos, timer, pos) in enumerate(per_layer):
+        ok = hpos >= 0
+        state[s, hpos[ok & (timer > 0)]] = HostTelemetry.FROZEN
+        state[s, hpos[ok & (timer == 0)]] = HostTelemetry.COLD
+        state[s, pos[pos >= 0]] = HostTelemetry.ACTIVE
+    return HostTelemetry(
+        state=state, n_active=int(out.n_active), n_host=int(out.n_host), n_frozen=int(out.n_frozen),
+        host_bytes=int(out.host_bytes), host_bytes_peak=int(out.host_bytes_peak), n_freeze=int(out.n_freeze),
+        n_thaw=int(out.n_thaw), n_evict=int(out.n_evict), n_dropped=int(out.n_dropped), n_steps=int(out.n_steps),
+        t_ms=float(out.t_ms), n_rerank=int(out.n_rerank), n_promote=int(out.n_promote),
+        n_recover=tuple(int(out.n_recover[i]) for i in range(4)))

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from ..policies import Stage
+import numpy as np
+
+from .._native import last_error, native
+from ..policies import PolicyError, Stage
+from ..telemetry import SummaryTelemetry
+
+if TYPE_CHECKING:
+    from ..llama import Llama
 
 
 @dataclass(frozen=True)
@@ -27,3 +34,44 @@ class SummariseFate(Stage):
     bin: Optional[int] = None
     rank: Optional[int] = None
     lam: Optional[float] = None
+
+
+def read_telemetry(llm: "Llama") -> SummaryTelemetry:
+    """Summarise telemetry of a context: bins, centroids, fit errors, per layer x position kept/summarised/dropped."""
+    ffi, lib = native()
+    ctx = llm._native_ctx()
+    out = ffi.new("struct llama_kvp_summary_stats *")
+    if lib.llama_kvp_summary(ctx, out) != 0:
+        raise PolicyError(last_error())
+    layers = llm.kv_stats().layers
+
+    def positions(fn: Any, s: int) -> np.ndarray:
+        n = fn(ctx, s, ffi.NULL, 0)
+        buf = np.zeros(max(n, 1), dtype=np.int32)
+        if n < 0 or fn(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(buf)), n) < 0:
+            raise RuntimeError(last_error())
+        return buf[:n]
+
+    per_layer = []
+    for s, layer in enumerate(layers):
+        pos = np.zeros(layer.n_cells, dtype=np.int32)
+        bias = np.zeros(layer.n_cells, dtype=np.float32)
+        if (lib.llama_kvp_layer_cell_pos(ctx, s, ffi.cast("int32_t *", ffi.from_buffer(pos)), pos.size) < 0
+                or lib.llama_kvp_layer_cell_bias(ctx, s, ffi.cast("float *", ffi.from_buffer(bias)), bias.size) < 0):
+            raise RuntimeError(last_error())
+        per_layer.append((positions(lib.llama_kvp_layer_summarised, s), positions(lib.llama_kvp_layer_pending, s),
+                          pos, bias))
+    # as wide as the sequence (after a batch of sequences n_tokens is 0: as wide as what the layers hold)
+    n_pos = max([int(llm.n_tokens), 1] + [int(a.max()) + 1 for layer in per_layer for a in layer[:3] if a.size])
+    state = np.zeros((len(layers), n_pos), dtype=np.int8)
+    for s, (done, pending, pos, bias) in enumerate(per_layer):
+        state[s, done[done >= 0]] = SummaryTelemetry.SUMMARISED
+        state[s, pending[pending >= 0]] = SummaryTelemetry.PENDING
+        held = pos >= 0
+        state[s, pos[held & (bias == 0)]] = SummaryTelemetry.KEPT
+        state[s, pos[held & (bias != 0)]] = SummaryTelemetry.CENTROID
+    return SummaryTelemetry(
+        state=state, n_bins=int(out.n_bins), n_fallback=int(out.n_fallback), n_tokens=int(out.n_tokens),
+        n_pending=int(out.n_pending), n_centroids=int(out.n_centroids), pending_bytes=int(out.pending_bytes),
+        fit_err=float(out.fit_err), fit_lse_err=float(out.fit_lse_err), t_ms=float(out.t_ms),
+        n_dropped=int(out.n_dropped))

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from ..policies import Stage
+import numpy as np
+
+from .._native import last_error, native
+from ..policies import PolicyError, Stage
+from ..telemetry import SparseTelemetry
+
+if TYPE_CHECKING:
+    from ..llama import Llama
 
 
 @dataclass(frozen=True)
@@ -32,3 +39,29 @@ class SparsePrefill(Stage):
     per_head: Optional[bool] = None
     chunk: Optional[int] = None
     guide: Optional[bool] = None
+
+
+def read_telemetry(llm: "Llama") -> SparseTelemetry:
+    """Sparse prefill telemetry of a context: Rigid/Dynamic heads, budgets per segment, density per layer."""
+    ffi, lib = native()
+    ctx = llm._native_ctx()
+    info = ffi.new("struct llama_kvp_sparse_info *")
+    if lib.llama_kvp_sparse_info(ctx, info) != 0:
+        raise PolicyError(last_error())
+    n_layer, n_head, n_seg = int(info.n_layer), int(info.n_head), int(info.n_seg)
+    counts = np.zeros((n_layer, 3), dtype=np.float32)
+    dynamic = np.zeros((n_layer, n_head), dtype=np.float32)
+    budgets = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
+    entropy = np.zeros((n_layer, n_seg, n_head), dtype=np.float32)
+
+    def ptr(a: np.ndarray) -> Any:
+        return ffi.cast("float *", ffi.from_buffer(a))
+
+    if lib.llama_kvp_sparse_telemetry(ctx, ptr(counts), ptr(dynamic), ptr(budgets), ptr(entropy), n_seg) < 0:
+        raise RuntimeError(last_error())
+    computed, visible = counts[:, 0].astype(np.float64), counts[:, 1].astype(np.float64)
+    density = np.where(visible > 0, computed / np.maximum(visible, 1.0), 1.0)
+    return SparseTelemetry(
+        layers=np.array([s.layer for s in llm.kv_stats().layers], dtype=np.int32), density=density,
+        n_ubatch=counts[:, 2].astype(np.int64), n_computed=computed, n_visible=visible,
+        dynamic=dynamic > 0.5, budgets=budgets, entropy=entropy, segment=int(info.segment), block=int(info.block))

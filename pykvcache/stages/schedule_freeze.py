@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, List, Optional
 
-from ..policies import Stage
+from .._native import last_error, native
+from ..policies import PolicyError, Stage
+from ..recovery import RecoveryEvent
+
+if TYPE_CHECKING:
+    from ..llama import Llama
 
 
 @dataclass(frozen=True)
@@ -33,3 +38,15 @@ class FreezeSchedule(Stage):
     span: Optional[int] = None
     gap: Optional[int] = None
     repeat: Optional[int] = None
+
+
+def read_recovery_events(llm: "Llama") -> List[RecoveryEvent]:
+    """Events of the recovery ladder in a context so far: decode step, level and the entropy that set it off."""
+    ffi, lib = native()
+    ctx = llm._native_ctx()
+    n = lib.llama_kvp_recover_events(ctx, ffi.NULL, ffi.NULL, ffi.NULL, 0)
+    if n < 0:
+        raise PolicyError(last_error())
+    step, level, ent = ffi.new("int32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)), ffi.new("float[]", max(n, 1))
+    lib.llama_kvp_recover_events(ctx, step, level, ent, n)
+    return [RecoveryEvent(int(step[i]), int(level[i]), float(ent[i])) for i in range(n)]
