@@ -57,6 +57,7 @@ class Llama(llama_cpp.Llama):
 
     Raises:
         FileNotFoundError: The model file does not exist (or the default model's package is not installed).
+        IsADirectoryError: The model path is a folder.
         PolicyError: The policy has invalid parameters or cannot run on this model or context.
     """
 
@@ -65,6 +66,8 @@ class Llama(llama_cpp.Llama):
         if model_path is None:
             model_path = default_model_path()
         model_path = os.fspath(model_path)
+        if Path(model_path).is_dir():
+            raise IsADirectoryError(f"model path is a folder, not a GGUF file: {model_path}")
         if not Path(model_path).is_file():
             raise FileNotFoundError(f"model file not found: {model_path}")
 

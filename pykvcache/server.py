@@ -417,7 +417,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         msg = str(err.get("msg", exc)).removeprefix("Value error, ")
         print(f"pykvcache serve: error: {where}: {msg}" if where else f"pykvcache serve: error: {msg}", file=sys.stderr)
         return 2
-    except (PolicyError, ValueError, FileNotFoundError, RPCError) as exc:
+    except (PolicyError, ValueError, FileNotFoundError, IsADirectoryError, RPCError) as exc:
         print(f"pykvcache serve: error: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=os.getenv("HOST", server_settings.host), port=int(port),

@@ -46,6 +46,8 @@ def test_missing_model_file(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="model file not found"):
         Llama(str(missing), kv_policy=Observe())
+    with pytest.raises(IsADirectoryError, match="model path is a folder, not a GGUF file"):
+        Llama(str(tmp_path), kv_policy=Observe())
 
 
 def test_unsupported_architecture_names_it(tiny_gemma3):
