@@ -14,10 +14,11 @@ llama_cpp = import_llama_cpp()
 MAX_THREADS = 512
 
 
-def check_sizes(kwargs: Dict[str, Any]) -> None:
+def check_sizes(kwargs: Dict[str, Any], n_seq_max: int = 1) -> None:
     """Check the sizes among llama_cpp.Llama's keyword arguments.
 
-    n_ctx >= 0, n_batch and n_ubatch >= 1, threads (None: llama-cpp-python's default) 1 to MAX_THREADS."""
+    n_ctx >= 0, n_batch and n_ubatch >= 1 (n_batch >= n_seq_max), threads (None: llama-cpp-python's default) 1 to
+    MAX_THREADS."""
     for name, lo, hi in (("n_ctx", 0, None), ("n_batch", 1, None), ("n_ubatch", 1, None),
                          ("n_threads", 1, MAX_THREADS), ("n_threads_batch", 1, MAX_THREADS)):
         if name not in kwargs or (kwargs[name] is None and name.startswith("n_threads")):
@@ -25,6 +26,11 @@ def check_sizes(kwargs: Dict[str, Any]) -> None:
         value = kwargs[name]
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi and value > hi):
             raise ValueError(f"{name} must be an integer >= {lo}" + (f" and <= {hi}" if hi else "") + f", not {value!r}")
+    n_batch = kwargs.get("n_batch", 512)  # llama_cpp.Llama's default
+    if n_batch < n_seq_max:
+        # llama.cpp reserves its graphs for a batch of one token per sequence: it aborted the process
+        raise ValueError(f"n_batch={n_batch} is smaller than n_seq_max={n_seq_max}: a batch must be able to hold "
+                         "one token of each sequence")
 
 
 def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:

@@ -73,12 +73,7 @@ class Llama(llama_cpp.Llama):
 
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise ValueError(f"n_seq_max must be an integer >= 1, not {n_seq_max!r}")
-        check_sizes(kwargs)
-        n_batch = kwargs.get("n_batch", 512)  # llama_cpp.Llama's default
-        if n_seq_max > 1 and n_batch < n_seq_max:
-            # llama.cpp reserves its graphs for a batch of one token per sequence: it aborted the process
-            raise ValueError(f"n_batch={n_batch} is smaller than n_seq_max={n_seq_max}: a batch must be able to hold "
-                             "one token of each sequence")
+        check_sizes(kwargs, n_seq_max)
         if kv_reuse not in ("exact", "continue"):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
