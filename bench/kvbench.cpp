@@ -34,6 +34,7 @@ struct kvbench_params {
     std::vector<int32_t>     n_prompt = { 512 };
     std::vector<int32_t>     n_gen    = { 128 };
     std::vector<int32_t>     n_depth  = { 0 };
+    std::vector<std::pair<int32_t, int32_t>> n_pg; // (prompt, gen) pairs, as llama-bench's -pg, beside the -p x -n tests
     int32_t                  reps     = 3;
     int32_t                  n_threads    = 0;
     int32_t                  n_gpu_layers = 0;
@@ -42,7 +43,7 @@ struct kvbench_params {
     int32_t                  n_batch  = 512;
     std::vector<ggml_type>   type_k   = { GGML_TYPE_F16 }; // KV cache types, as llama-bench's -ctk / -ctv
     std::vector<ggml_type>   type_v   = { GGML_TYPE_F16 };
-    bool                     flash_attn = true;
+    llama_flash_attn_type    flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     uint32_t                 seed     = 42;
     std::string              output   = "md";
     bool                     progress = true;
@@ -202,9 +203,12 @@ static void kvbench_usage(const char * argv0) {
     printf("                            (default: full, sink_recent (4 sinks + 252 recent tokens), and snapkv, h2o, pyramid, entropy at budget 0.25)\n");
     printf("  -p, --n-prompt N[,N..]    prompt tokens processed and timed (default: 512); with lists, every combination of\n");
     printf("                            -d, -p and -n is one test (a row), in a context of its own; a list flag given\n");
-    printf("                            again adds its values (-p 16 -p 32 = -p 16,32), as in llama-bench\n");
+    printf("                            again adds its values (-p 16 -p 32 = -p 16,32), and an item may be a range\n");
+    printf("                            first-last[+step|*factor] (-p 1024-4096*2 = -p 1024,2048,4096), as in llama-bench\n");
     printf("  -n, --n-gen N[,N..]       tokens generated one by one and timed, after the depth and the prompt (default: 128;\n");
     printf("                            llama-bench's tgN runs at depth d alone: here the policy decodes what it kept of d + p)\n");
+    printf("  -pg PP,TG                 one more test of PP prompt and TG generated tokens (at every -d), beside the -p x -n\n");
+    printf("                            ones; repeatable (to run these alone: -p 0 -n 0 -pg 4096,128)\n");
     printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
     printf("                            a fractional budget is a fraction of depth + prompt\n");
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
@@ -220,7 +224,7 @@ static void kvbench_usage(const char * argv0) {
     printf("                            (default: f16); with lists, each type is a test of its own, its ratios against\n");
     printf("                            the full cache of the same types\n");
     printf("  -ctv, --cache-type-v T[,T..]  KV cache type of V (default: f16; a quantized V needs flash attention)\n");
-    printf("  -fa, --flash-attn on|off  flash attention (default: on)\n");
+    printf("  -fa, --flash-attn on|off|auto  flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU)\n");
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
@@ -297,6 +301,13 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             add("-p", params.n_prompt, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-n" || arg == "--n-gen") {
             add("-n", params.n_gen, kvp_tool_parse_list(arg, value(), 0));
+        } else if (arg == "-pg") {
+            const std::string v = value();
+            const auto pg = kvp_tool_parse_list(arg, v, 0);
+            if (pg.size() != 2 || v.find_first_of("+*") != std::string::npos || std::count(v.begin(), v.end(), '-') > 0) {
+                throw std::invalid_argument(arg + ": expected pp,tg (two integers >= 0), got '" + v + "'");
+            }
+            params.n_pg.emplace_back(pg[0], pg[1]);
         } else if (arg == "-d" || arg == "--n-depth") {
             add("-d", params.n_depth, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-r" || arg == "--repetitions") {
@@ -321,10 +332,15 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
             const std::string v = value();
-            if (v != "on" && v != "off" && v != "1" && v != "0") {
-                throw std::invalid_argument(arg + ": expected on or off, got '" + v + "'");
+            if (v == "on" || v == "1") {
+                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+            } else if (v == "off" || v == "0") {
+                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            } else if (v == "auto" || v == "-1") {
+                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_AUTO;
+            } else {
+                throw std::invalid_argument(arg + ": expected on, off or auto, got '" + v + "'");
             }
-            params.flash_attn = v == "on" || v == "1";
         } else if (arg == "-f" || arg == "--file") {
             params.text_file = value();
         } else if (arg == "-s" || arg == "--seed") {
@@ -804,6 +820,11 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
             kvbench_opt(lim, r.tg_limit_ratio, "%.6f", "null").c_str(), r.density, end);
 }
 
+// flash attention in the JSON: true, false or "auto"
+static const char * kvbench_fa_json(llama_flash_attn_type fa) {
+    return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "\"auto\"" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "true" : "false";
+}
+
 // limits: the physical limit measurements (full cache at depth B), after the rows
 static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
                           const std::vector<kvbench_result> & limits) {
@@ -811,11 +832,11 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps,
+            kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps,
             params.n_batch, params.seed, kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), params.flash_attn ? "true" : "false", params.reps);
+                kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps);
         printf("  \"n_batch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch, params.seed,
                 kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
@@ -873,7 +894,7 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         return typed ? r.label + " [" + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]" : r.label;
     };
     printf("kvbench: %s, %d threads, n_batch %d, flash attention %s, %d repetitions, tokens: %s\n\n", params.model_desc.c_str(),
-            params.n_threads, params.n_batch, params.flash_attn ? "on" : "off", params.reps,
+            params.n_threads, params.n_batch, llama_flash_attn_type_name(params.flash_attn), params.reps,
             params.text_file.empty() ? "random" : params.text_file.c_str());
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -975,7 +996,7 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
     cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
     cparams.n_batch  = params.n_batch;
     cparams.n_ubatch = params.n_batch;
-    cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.flash_attn_type = params.flash_attn;
     cparams.n_threads       = params.n_threads;
     cparams.n_threads_batch = params.n_threads;
     cparams.type_k          = t.type_k;
@@ -1078,33 +1099,44 @@ int main(int argc, char ** argv) {
     // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size
     std::vector<kvbench_test> tests;
     int32_t n_need = 0;
+    std::vector<std::pair<int32_t, int32_t>> pgs; // (prompt, gen): every -p with every -n, then the -pg pairs not among them
+    for (int32_t p : params.n_prompt) {
+        for (int32_t g : params.n_gen) {
+            pgs.emplace_back(p, g);
+        }
+    }
+    for (const auto & pg : params.n_pg) {
+        if (std::find(pgs.begin(), pgs.end(), pg) == pgs.end()) {
+            pgs.push_back(pg);
+        }
+    }
     for (int32_t d : params.n_depth) {
-        for (int32_t p : params.n_prompt) {
-            for (int32_t g : params.n_gen) {
-                if (p == 0 && g == 0) {
-                    continue; // measures nothing (llama-bench's lists hold such pairs too); none left is an error below
-                }
-                if ((int64_t) d + p + g > (1 << 30)) {
-                    fprintf(stderr, "kvbench: depth + prompt + gen (%" PRId64 ") is too large\n", (int64_t) d + p + g);
-                    llama_model_free(model);
-                    return 1;
-                }
-                if (params.n_ctx > 0 && d + p + g > params.n_ctx) {
-                    fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (-c %d)\n", d + p + g, params.n_ctx);
-                    llama_model_free(model);
-                    return 1;
-                }
-                for (ggml_type tk : params.type_k) {
-                    for (ggml_type tv : params.type_v) {
-                        tests.push_back({ d, p, g, tk, tv });
-                    }
-                }
-                n_need = std::max(n_need, d + p + g);
+        for (const auto & pg : pgs) {
+            const int32_t p = pg.first;
+            const int32_t g = pg.second;
+            if (p == 0 && g == 0) {
+                continue; // measures nothing (llama-bench's lists hold such pairs too); none left is an error below
             }
+            if ((int64_t) d + p + g > (1 << 30)) {
+                fprintf(stderr, "kvbench: depth + prompt + gen (%" PRId64 ") is too large\n", (int64_t) d + p + g);
+                llama_model_free(model);
+                return 1;
+            }
+            if (params.n_ctx > 0 && d + p + g > params.n_ctx) {
+                fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (-c %d)\n", d + p + g, params.n_ctx);
+                llama_model_free(model);
+                return 1;
+            }
+            for (ggml_type tk : params.type_k) {
+                for (ggml_type tv : params.type_v) {
+                    tests.push_back({ d, p, g, tk, tv });
+                }
+            }
+            n_need = std::max(n_need, d + p + g);
         }
     }
     if (tests.empty()) {
-        fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing\n");
+        fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (and no -pg)\n");
         llama_model_free(model);
         return 1;
     }
@@ -1113,13 +1145,13 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "kvbench: warning: no GPU device and no RPC server (-rpc), -ngl %d offloads nothing\n", params.n_gpu_layers);
     }
     for (ggml_type tv : params.type_v) {
-        if (ggml_is_quantized(tv) && !params.flash_attn) {
+        if (ggml_is_quantized(tv) && params.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
             fprintf(stderr, "kvbench: -ctv %s: a quantized V cache needs flash attention (-fa on)\n", ggml_type_name(tv));
             llama_model_free(model);
             return 1;
         }
     }
-    if (!params.flash_attn) {
+    if (params.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
         for (const auto & kp : pols) {
             if (kvbench_describe(kp.pol).sparse) {
                 fprintf(stderr, "kvbench: warning: %s: sparse prefill needs flash attention, with -fa off its prompts run dense\n", kp.label.c_str());

@@ -7,6 +7,7 @@
 #include "llama-kvp.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
@@ -53,18 +54,55 @@ static inline std::string kvp_tool_policy_str(const llama_kvp_policy & pol) {
 }
 
 // "N[,N..]": integers >= min_value; throws with a message naming the flag
+// a comma-separated list of integers >= min_value; an item may be a range as llama-bench's: first-last (step 1),
+// first-last+step or first-last*factor, last included when the steps reach it (-p 128-1024*2 = 128,256,512,1024)
 static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
+    static const size_t n_max = 4096; // values one flag may expand to
+    const std::string expect = flag + ": expected integers >= " + std::to_string(min_value) +
+        " or ranges first-last[+step|*factor], got '" + s + "'";
+    auto number = [&](const char * p, char ** end) {
+        errno = 0;
+        const long x = strtol(p, end, 10);
+        if (*end == p || errno != 0 || x < min_value || x > INT32_MAX) {
+            throw std::invalid_argument(expect);
+        }
+        return (int64_t) x;
+    };
     std::vector<int32_t> res;
     std::stringstream ss(s);
     std::string item;
     while (std::getline(ss, item, ',')) {
+        const char * p = item.c_str();
         char * end = nullptr;
-        errno = 0;
-        const long x = strtol(item.c_str(), &end, 10);
-        if (item.empty() || *end != '\0' || errno != 0 || x < min_value || x > INT32_MAX) {
-            throw std::invalid_argument(flag + ": expected integers >= " + std::to_string(min_value) + ", got '" + s + "'");
+        if (item.empty() || (!isdigit((unsigned char) item[0]) && item[0] != '-')) {
+            throw std::invalid_argument(expect);
         }
-        res.push_back((int32_t) x);
+        const int64_t first = number(p, &end);
+        int64_t last = first;
+        int64_t step = 1;
+        char    op   = '+';
+        if (*end == '-') {
+            last = number(end + 1, &end);
+            if (*end == '+' || *end == '*') {
+                op   = *end;
+                step = number(end + 1, &end);
+            }
+            if (last < first) {
+                throw std::invalid_argument(flag + ": range " + item + " ends before it starts");
+            }
+            if (op == '+' ? step < 1 : step < 2 || first < 1) {
+                throw std::invalid_argument(flag + ": range " + item + " does not advance (a step >= 1, a factor >= 2 from a first >= 1)");
+            }
+        }
+        if (*end != '\0') {
+            throw std::invalid_argument(expect);
+        }
+        for (int64_t x = first; x <= last; x = op == '+' ? x + step : x*step) {
+            if (res.size() == n_max) {
+                throw std::invalid_argument(flag + ": more than " + std::to_string(n_max) + " values in '" + s + "'");
+            }
+            res.push_back((int32_t) x);
+        }
     }
     if (res.empty()) {
         throw std::invalid_argument(flag + ": expected a value");

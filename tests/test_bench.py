@@ -116,6 +116,14 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-p", "0", "-n", "0"], "-p 0 with -n 0 measures nothing"),
     (["--no-limit=1"], "--no-limit: takes no value"),
     (["-o", "sql"], "expected md, json, jsonl or csv"),
+    (["-p", "32-16"], "-p: range 32-16 ends before it starts"),
+    (["-p", "1-8*1"], "-p: range 1-8*1 does not advance"),
+    (["-n", "0-64*2"], "-n: range 0-64*2 does not advance"),
+    (["-d", "1-100000"], "-d: more than 4096 values"),
+    (["-p", "16-"], "-p: expected integers >= 0 or ranges"),
+    (["-pg", "16"], "-pg: expected pp,tg"),
+    (["-pg", "16-32,2"], "-pg: expected pp,tg"),
+    (["-fa", "maybe"], "-fa: expected on, off or auto"),
 ])
 def test_kvbench_bad_arguments_fail_with_a_message(args, message):
     p = kvbench(*args)
@@ -171,6 +179,22 @@ def test_kvbench_sizes_each_test_as_llama_bench(model_path):
     assert sweep[("full", 64)]["kv_bytes"] == alone[("full", 64)]["kv_bytes"] == 30 * 256 * 768
     assert sweep[("snapkv:budget=0.25", 64)]["kv_ratio"] == alone[("snapkv:budget=0.25", 64)]["kv_ratio"]
     assert sweep[("snapkv:budget=512", 64)]["n_ctx"] == 512  # its budget, not the 66 tokens of the test
+
+
+def test_kvbench_takes_llama_bench_ranges_pairs_and_flash_attn_auto(model_path):
+    """llama-bench's int ranges (first-last+step, first-last*factor), -pg pairs beside the -p x -n tests (a pair
+    already among them runs once) and -fa auto (llama.cpp's choice; on for the CPU), here with a retention policy."""
+    p = kvbench("-p", "16-32+16", "-n", "1-2*2", "-pg", "16,2", "-pg", "32,0", "-r", "1", "-t", "1",
+                "-fa", "auto", "--no-limit", "-o", "json", "--policy", "h2o:budget=16,n_recent=8,chunk=16",
+                model_path=model_path)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["flash_attn"] == "auto"
+    tests = [(r["n_depth"], r["n_prompt"], r["n_gen"]) for r in doc["results"] if r["label"] == "full"]
+    assert tests == [(0, 16, 1), (0, 16, 2), (0, 32, 1), (0, 32, 2), (0, 32, 0)], tests
+    md = kvbench("-p", "16", "-n", "2", "-r", "1", "-t", "1", "-fa", "auto", "--no-limit", "--policy", "full",
+                 model_path=model_path)
+    assert md.returncode == 0 and "flash attention auto" in md.stdout.splitlines()[0]
 
 
 def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):

@@ -190,8 +190,11 @@ ggml_tensor * llama_kvp_graph_attn(
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il) {
-    if (ggml_tensor * cur = llama_kvp_graph_sparse_attn(gctx, q, k, v, kq_mask, sinks, kq_scale, il)) {
-        return cur; // a prompt ubatch with sparse prefill
+    llama_kvp_context * st = llama_kvp_graph_ctx();
+    if (const auto * prefill = st ? llama_kvp_prefill_of(st->policy) : nullptr) {
+        if (ggml_tensor * cur = prefill->graph_attn(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il)) {
+            return cur; // a prompt ubatch whose attention the prefill stage computes (sparse)
+        }
     }
     return llama_kvp_graph_observed_attn(gctx, q, k, v, kq_mask, sinks, kq_scale, il); // an observed decode step
 }

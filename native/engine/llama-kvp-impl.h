@@ -3,6 +3,7 @@
 #pragma once
 
 #include "llama-kvp.h"
+#include "llama-kvp-stage.h"
 
 #include "llama.h"
 #include "ggml.h"
@@ -54,7 +55,7 @@ bool llama_kvp_policy_retains(const llama_kvp_policy & policy);
 // has a score stage that needs the in-graph observation of attention
 bool llama_kvp_policy_observes(const llama_kvp_policy & policy);
 
-// does the policy run prompt ubatches with block-sparse attention (prefill stage `sparse`)
+// does the policy's prefill stage compute the attention of prompt ubatches itself (block-sparse: `sparse`)
 bool llama_kvp_policy_sparse(const llama_kvp_policy & policy);
 
 // tokens the score stage always keeps (sinks + recent window)
@@ -101,14 +102,8 @@ struct llama_kvp_obs_layer {
     std::vector<float> pre_acc;
     std::vector<float> pre_rows;
 
-    // sparse prefill state and telemetry (stages/prefill-sparse.cpp), nullptr without it
-    ggml_context_ptr        sp_ctx;
-    ggml_backend_buffer_ptr sp_buf;
-    ggml_tensor * sp_state   = nullptr; // F32 [n_head, 3]         entropy and budget of the last segment, Dynamic flag
-    ggml_tensor * sp_budget  = nullptr; // F32 [n_head, n_seg_max] budget (tokens) of each segment of the sequence
-    ggml_tensor * sp_entropy = nullptr; // F32 [n_head, n_seg_max] normalised block entropy of each segment
-    ggml_tensor * sp_count   = nullptr; // F32 [3]                 blocks computed, blocks visible, sparse ubatches
-    int32_t n_seg_max = 0;
+    // the prefill stage's own state of this layer (llama_kvp_prefill_stage::alloc; nullptr: none)
+    std::unique_ptr<llama_kvp_layer_state> prefill_state;
 
     bool  seen     = false;           // the graph hook ran for this layer (checked after the reserve)
     float kq_scale = 0.0f;            // the attention's scale of the queries' dot products (set by the graph hook)
@@ -259,6 +254,7 @@ struct llama_kvp_kv_access {
     static ggml_tensor * layer_k(const llama_kv_cache & kv, int32_t ikv);
     static ggml_tensor * layer_v(const llama_kv_cache & kv, int32_t ikv);
     static uint32_t n_stream(const llama_kv_cache & kv);
+    static bool     v_trans (const llama_kv_cache & kv); // V stored a row per dimension (made without flash attention)
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
     static void cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out); // cell_pos of cells [0, n)
@@ -301,7 +297,9 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp);
 
 // llama_context::graph_params: the graph built next on this thread belongs to this context
 void llama_kvp_graph_begin(llama_kvp_context * kvp);
-void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp); // its sparse-prefill part (stages/prefill-sparse.cpp)
+
+// the context of the graph being built on this thread (nullptr: none, or one without a policy)
+llama_kvp_context * llama_kvp_graph_ctx();
 
 // llm_graph_context::build_attn_inp_kv: the per-layer attention input when the memory is per-layer, else nullptr
 class llm_graph_input_attn_kv;
@@ -352,20 +350,8 @@ ggml_tensor * llama_kvp_graph_observed_attn(
                           float   kq_scale,
                             int   il);
 
-// block-sparse attention of a prompt ubatch when the policy's prefill stage is `sparse` and the layer qualifies;
-// else nullptr
-ggml_tensor * llama_kvp_graph_sparse_attn(
-        const llm_graph_context & gctx,
-                    ggml_tensor * q,
-                    ggml_tensor * k,
-                    ggml_tensor * v,
-                    ggml_tensor * kq_mask,
-                    ggml_tensor * sinks,
-                          float   kq_scale,
-                            int   il);
-
 //
-// sparse prefill state (stages/prefill-sparse.cpp)
+// a stage's device state beside a layer's cache (llama-kvp-observe.cpp)
 //
 
 // a no-alloc ggml context for n_tensors tensor headers, and a buffer for its tensors in the buffer type of KV layer
@@ -373,38 +359,15 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
 ggml_context *        llama_kvp_layer_ctx  (int32_t n_tensors, const char * what);
 ggml_backend_buffer_t llama_kvp_layer_alloc(llama_kvp_context * st, int32_t ikv, ggml_context * ctx, const char * what);
 
-// allocates the state and telemetry tensors of KV layer ikv for a context of n_ctx tokens
-void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
-
-// reads the telemetry of KV layer ikv (synchronizes): count3 = blocks computed, blocks visible, sparse ubatches;
-// dyn [n_head] = 1 for Dynamic heads; budgets, entropy [n_seg][n_head]; returns the segments read or -1
-int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg);
-
 //
-// summarise fate telemetry (stages/fate-summarise.cpp)
+// the C API's checks (llama-kvp.cpp), also used by the stages' own C API in their files: false or nullptr, with the
+// error set (llama_kvp_last_error), when the check fails
 //
 
-// sums of the fit errors over the (bin, KV head) fits
-struct llama_kvp_summarise_sums {
-    double  err   = 0.0;
-    double  lse   = 0.0;
-    int64_t n_fit = 0;
-};
-
-// adds the summarise counters of KV layer ikv to out and sums (false if the layer has no summarise state); appends
-// the positions it summarised to `summarised` when not null
-bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struct llama_kvp_summary_stats & out,
-                                     llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised,
-                                     std::vector<llama_pos> * pending);
-
-//
-// host tier telemetry (stages/fate-host.cpp)
-//
-
-// adds the host-tier counters of KV layer ikv (and its active tokens) to out (false if the layer has no host tier);
-// appends its host positions and timers when not null
-bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, struct llama_kvp_host_stats & out,
-                                std::vector<llama_pos> * pos, std::vector<int32_t> * timer);
+bool llama_kvp_check_ctx(llama_context * ctx);                        // a context, not NULL
+bool llama_kvp_check_out(const void * out);                           // an output, not NULL
+llama_kvp_memory * llama_kvp_mem(llama_context * ctx);                // the per-layer memory of a retention policy
+bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv); // a KV layer of that memory
 
 //
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)

@@ -60,6 +60,10 @@ uint32_t llama_kvp_kv_access::n_stream(const llama_kv_cache & kv) {
     return kv.n_stream;
 }
 
+bool llama_kvp_kv_access::v_trans(const llama_kv_cache & kv) {
+    return kv.v_trans;
+}
+
 uint32_t llama_kvp_kv_access::n_used(const llama_kv_cache & kv) {
     uint32_t res = 0;
     for (const auto & cells : kv.v_cells) {
@@ -407,8 +411,8 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
             } else {
                 L.n_cells = (int32_t) st->layer_kv(ikv)->get_size();
             }
-            if (llama_kvp_policy_sparse(policy)) {
-                llama_kvp_sparse_alloc(st.get(), ikv, (int32_t) cparams.n_ctx_seq);
+            if (const auto * prefill = llama_kvp_prefill_of(policy)) {
+                prefill->alloc(st.get(), ikv, (int32_t) cparams.n_ctx_seq); // its own state, if any
             }
             total += L.buf ? ggml_backend_buffer_get_size(L.buf.get()) : 0;
         }
@@ -446,9 +450,8 @@ uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp) {
         return 0;
     }
     uint32_t per_layer = LLAMA_KVP_NODES_PER_LAYER;
-    if (llama_kvp_policy_sparse(kvp->policy)) {
-        // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment)
-        per_layer += 100 + 24*((kvp->n_ubatch + kvp->policy.segment - 1)/kvp->policy.segment);
+    if (const auto * prefill = llama_kvp_prefill_of(kvp->policy)) {
+        per_layer += prefill->n_graph_nodes(kvp->policy, kvp->n_ubatch);
     }
     return per_layer*(uint32_t) kvp->layers.size() + 16;
 }
@@ -817,7 +820,13 @@ void llama_kvp_graph_begin(llama_kvp_context * kvp) {
     g_graph_st  = kvp;
     g_graph_inp = nullptr;
     g_graph_probs.clear();
-    llama_kvp_sparse_graph_begin(kvp);
+    if (const auto * prefill = kvp ? llama_kvp_prefill_of(kvp->policy) : nullptr) {
+        prefill->graph_begin(kvp);
+    }
+}
+
+llama_kvp_context * llama_kvp_graph_ctx() {
+    return g_graph_st;
 }
 
 // the graph's observation input, made by the first layer that needs it
@@ -968,9 +977,9 @@ static ggml_tensor * llama_kvp_graph_value_norms(const llm_graph_context & gctx,
     const int64_t n_head_kv = std::max<int64_t>(1, gctx.hparams.n_head_kv(il));
     const int64_t d_v       = gctx.hparams.n_embd_head_v(il);
     ggml_tensor * v = nullptr;
-    if (gctx.cparams.flash_attn) { // a row per cell (as the memory made its caches)
+    if (!llama_kvp_kv_access::v_trans(*st->layer_kv(ikv))) { // a row per cell (made with flash attention on or auto)
         v = ggml_cast(ctx0, ggml_view_2d(ctx0, vc, d_v*n_head_kv, n_kv, vc->nb[1], 0), GGML_TYPE_F32);
-    } else {                       // transposed: a row per dimension, the cache's size long
+    } else { // transposed: a row per dimension, the cache's size long
         v = ggml_view_2d(ctx0, vc, n_kv, d_v*n_head_kv, ggml_row_size(vc->type, vc->ne[1]), 0);
         v = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_cast(ctx0, v, GGML_TYPE_F32)));
     }

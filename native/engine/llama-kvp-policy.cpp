@@ -166,6 +166,11 @@ bool llama_kvp_policy_retains(const llama_kvp_policy & p) {
     return llama_kvp_budget_of(p) != nullptr;
 }
 
+bool llama_kvp_policy_sparse(const llama_kvp_policy & p) {
+    const auto * prefill = llama_kvp_prefill_of(p);
+    return prefill && prefill->computes_attention();
+}
+
 bool llama_kvp_policy_observes(const llama_kvp_policy & p) {
     const auto * score = llama_kvp_score_of(p);
     return score && score->observes();

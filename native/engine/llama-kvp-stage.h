@@ -18,6 +18,9 @@
 #include <vector>
 
 class llama_kv_cache;
+struct llama_kvp_context;
+struct llm_graph_context;
+struct ggml_tensor;
 
 struct llama_kvp_stage {
     llama_kvp_stage(int32_t id, int32_t slot, const char * name, const char * keys, const char * help) :
@@ -211,6 +214,28 @@ struct llama_kvp_prefill_stage : llama_kvp_stage {
 
     // tokens of the prompt's end run behind each chunk and removed after it (0: none)
     virtual uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const { (void) p; (void) n_ubatch; return 0; }
+
+    // does it compute the attention of prompt ubatches itself (then the context has a policy state even without
+    // observation or retention, and the hooks below run)
+    virtual bool computes_attention() const { return false; }
+
+    // makes its state of KV layer ikv (of the current sequence) for a context of n_ctx_seq tokens per sequence
+    // (llama_kvp_obs_layer::prefill_state; throws std::runtime_error on failure)
+    virtual void alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx_seq) const { (void) st; (void) ikv; (void) n_ctx_seq; }
+
+    // graph nodes it adds per layer to the graph of a ubatch of n_ubatch tokens
+    virtual uint32_t n_graph_nodes(const llama_kvp_policy & p, uint32_t n_ubatch) const { (void) p; (void) n_ubatch; return 0; }
+
+    // a graph of the context st is built next on this thread
+    virtual void graph_begin(llama_kvp_context * st) const { (void) st; }
+
+    // the attention of model layer il in that graph, as [n_embd_head_v*n_head, n_tokens], or nullptr for llama.cpp's
+    //   q: [n_embd_head, n_head, n_tokens], k, v: [n_embd_head, n_head_kv, n_kv, 1] views of the layer's cache
+    virtual ggml_tensor * graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q, ggml_tensor * k,
+                                     ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il) const {
+        (void) st; (void) gctx; (void) q; (void) k; (void) v; (void) kq_mask; (void) sinks; (void) kq_scale; (void) il;
+        return nullptr;
+    }
 };
 
 //
@@ -327,3 +352,6 @@ void llama_kvp_latent_before_step(llama_kvp_memory & mem);
 
 // thaws every token of KV layer ikv's host tier that fits into n_room free cells, coldest last; returns the count
 uint32_t llama_kvp_host_tier_thaw(llama_kvp_memory & mem, int32_t ikv, uint32_t n_room);
+
+// the C API's check of a context with a host tier: its per-layer memory, or nullptr with the error set
+llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx);

@@ -1,5 +1,6 @@
 // llama-kvp.cpp - the extern "C" API of llama-kvp.h: policy of a context, KV-cache stats from the real ggml buffers,
-// and read-out of the observation results.
+// and read-out of the observation results. A stage's own API (sparse prefill's telemetry, the summaries, the host
+// tier, the recovery ladder, latent re-ranking) sits at the end of its file in stages/.
 
 #include "llama-kvp-impl.h"
 
@@ -31,7 +32,7 @@ static std::vector<llama_kv_cache *> llama_kvp_caches(llama_context * ctx) {
     return res;
 }
 
-static llama_kvp_memory * llama_kvp_mem(llama_context * ctx) {
+llama_kvp_memory * llama_kvp_mem(llama_context * ctx) {
     auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
     if (!mem) {
         llama_kvp_set_error("this context has no retention policy (one KV cache per layer)");
@@ -39,7 +40,7 @@ static llama_kvp_memory * llama_kvp_mem(llama_context * ctx) {
     return mem;
 }
 
-static bool llama_kvp_check_ctx(llama_context * ctx) {
+bool llama_kvp_check_ctx(llama_context * ctx) {
     if (!ctx) {
         llama_kvp_set_error("context is NULL");
         return false;
@@ -47,9 +48,17 @@ static bool llama_kvp_check_ctx(llama_context * ctx) {
     return true;
 }
 
-static bool llama_kvp_check_out(const void * out) {
+bool llama_kvp_check_out(const void * out) {
     if (!out) {
         llama_kvp_set_error("output is NULL");
+        return false;
+    }
+    return true;
+}
+
+bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv) {
+    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
+        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
         return false;
     }
     return true;
@@ -575,7 +584,7 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
     llama_synchronize(ctx);
     std::vector<uint32_t> idx(size);
     std::iota(idx.begin(), idx.end(), 0u);
-    const bool v_trans = !ctx->get_cparams().flash_attn; // as llama.cpp and the per-layer memory make their caches
+    const bool v_trans = llama_kvp_kv_access::v_trans(*kv); // as the cache was made (flash attention off: transposed)
     std::vector<uint8_t> raw;
     if (k_out) {
         const size_t nb = ggml_row_size(kt->type, kt->ne[0]);
@@ -666,118 +675,8 @@ int32_t llama_kvp_obs_query_entropy(struct llama_context * ctx, int32_t ikv, flo
 }
 
 //
-// sparse prefill telemetry
+// cells of a layer
 //
-
-static llama_kvp_context * llama_kvp_sparse_ctx(llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return nullptr;
-    }
-    llama_kvp_context * st = ctx->get_kvp();
-    if (!st || !llama_kvp_policy_sparse(st->policy)) {
-        llama_kvp_set_error("this context has no sparse prefill (create it with a policy that has the stage '+sparse')");
-        return nullptr;
-    }
-    return st;
-}
-
-int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out) {
-    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
-    if (!st || !llama_kvp_check_out(out)) {
-        return -1;
-    }
-    const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), st->mem ? st->mem->seq_cur : 0);
-    out->n_layer = (int32_t) st->layers.size();
-    out->n_head  = st->n_head;
-    out->n_seg   = p_max < 0 ? 0 : std::min<int32_t>((p_max + st->policy.segment)/st->policy.segment, st->layers[0].n_seg_max);
-    out->segment = st->policy.segment;
-    out->block   = st->policy.block;
-    return 0;
-}
-
-int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg) {
-    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
-    if (!st) {
-        return -1;
-    }
-    if (n_seg < 0) {
-        llama_kvp_set_error("sparse_telemetry: n_seg must be >= 0 (got " + std::to_string(n_seg) + ")");
-        return -1;
-    }
-    const int32_t nh = st->n_head;
-    for (int32_t ikv = 0; ikv < (int32_t) st->layers.size(); ++ikv) {
-        if (llama_kvp_sparse_read(st, ikv, counts ? counts + 3*ikv : nullptr, dynamic ? dynamic + nh*ikv : nullptr,
-                budgets ? budgets + (size_t) nh*n_seg*ikv : nullptr, entropy ? entropy + (size_t) nh*n_seg*ikv : nullptr, n_seg) < 0) {
-            llama_kvp_set_error("no sparse prefill state in layer " + std::to_string(st->layers[ikv].il));
-            return -1;
-        }
-    }
-    return (int32_t) st->layers.size();
-}
-
-//
-// summarise fate
-//
-
-// false (with the error set) if ikv is not a KV layer of the per-layer memory
-static bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv) {
-    if (ikv < 0 || ikv >= (int32_t) mem->layers.size()) {
-        llama_kvp_set_error("KV layer " + std::to_string(ikv) + " out of range [0, " + std::to_string(mem->layers.size()) + ")");
-        return false;
-    }
-    return true;
-}
-
-static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return nullptr;
-    }
-    llama_kvp_memory * mem = llama_kvp_mem(ctx);
-    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_SUMMARISE) {
-        llama_kvp_set_error("the context's policy does not summarise (fate stage 'summarise')");
-        return nullptr;
-    }
-    return mem;
-}
-
-int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out) {
-    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
-    if (!mem || !llama_kvp_check_out(out)) {
-        return -1;
-    }
-    *out = {};
-    llama_kvp_summarise_sums sums;
-    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
-        llama_kvp_summarise_layer_stats(*mem, i, *out, sums, nullptr, nullptr);
-    }
-    out->fit_err     = sums.n_fit > 0 ? (float) (sums.err/sums.n_fit) : 0.0f;
-    out->fit_lse_err = sums.n_fit > 0 ? (float) (sums.lse/sums.n_fit) : 0.0f;
-    return 0;
-}
-
-// positions of a summarising layer's tokens that are summarised (pending: false) or waiting in its bin (true)
-static int32_t llama_kvp_layer_summary_pos(struct llama_context * ctx, int32_t ikv, bool pending, int32_t * out, int32_t n_max) {
-    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
-    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
-        return -1;
-    }
-    llama_kvp_summary_stats tmp = {};
-    llama_kvp_summarise_sums sums;
-    std::vector<llama_pos> pos;
-    llama_kvp_summarise_layer_stats(*mem, ikv, tmp, sums, pending ? nullptr : &pos, pending ? &pos : nullptr);
-    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
-        out[i] = pos[i];
-    }
-    return (int32_t) pos.size();
-}
-
-int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
-    return llama_kvp_layer_summary_pos(ctx, ikv, false, out, n_max);
-}
-
-int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
-    return llama_kvp_layer_summary_pos(ctx, ikv, true, out, n_max);
-}
 
 int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float * out, int32_t n_max) {
     if (!llama_kvp_check_ctx(ctx)) {
@@ -803,74 +702,6 @@ int32_t llama_kvp_layer_cell_bias(struct llama_context * ctx, int32_t ikv, float
         out[i] = it != L.bias.end() ? it->second : 0.0f;
     }
     return n;
-}
-
-//
-// host tier
-//
-
-static llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return nullptr;
-    }
-    llama_kvp_memory * mem = llama_kvp_mem(ctx);
-    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_HOST) {
-        llama_kvp_set_error("the context's policy has no host tier (fate stage 'host')");
-        return nullptr;
-    }
-    return mem;
-}
-
-int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem || !llama_kvp_check_out(out)) {
-        return -1;
-    }
-    *out = {};
-    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
-        llama_kvp_host_layer_stats(*mem, i, *out, nullptr, nullptr);
-    }
-    out->host_bytes_peak = mem->host_bytes_peak;
-    out->n_steps  = mem->st ? mem->st->n_decode : 0;
-    out->n_rerank = mem->n_rerank;
-    llama_kvp_freeze_ladder(*mem, out->n_recover, nullptr, nullptr, nullptr);
-    return 0;
-}
-
-int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
-        return -1;
-    }
-    llama_kvp_host_stats tmp = {};
-    std::vector<llama_pos> p;
-    std::vector<int32_t>   t;
-    llama_kvp_host_layer_stats(*mem, ikv, tmp, &p, &t);
-    for (int32_t i = 0; i < (int32_t) p.size() && i < n_max; ++i) {
-        if (pos) {
-            pos[i] = p[i];
-        }
-        if (timer) {
-            timer[i] = t[i];
-        }
-    }
-    return (int32_t) p.size();
-}
-
-int32_t llama_kvp_host_thaw_all(struct llama_context * ctx) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem) {
-        return -1;
-    }
-    llama_synchronize(ctx);
-    int32_t res = 0;
-    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
-        res += (int32_t) llama_kvp_host_tier_thaw(*mem, i, mem->n_room(i, 1));
-    }
-    if (mem->stage_schedule) {
-        mem->stage_schedule->forget(*mem, 0, -1); // the counts start again
-    }
-    return res;
 }
 
 int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t pos, void * k_out, void * v_out) {
@@ -907,67 +738,4 @@ int64_t llama_kvp_layer_cell_kv(struct llama_context * ctx, int32_t ikv, int32_t
         return (int64_t) (nk + nv);
     }
     return 0;
-}
-
-int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits, int32_t n_vocab) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem) {
-        return -1;
-    }
-    if (mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE] != LLAMA_KVP_SCHEDULE_FREEZE || !(mem->policy.z > 0.0f)) {
-        llama_kvp_set_error("the recovery ladder needs the freeze schedule with z > 0 (e.g. freeze:z=2)");
-        return -1;
-    }
-    if (!logits || n_vocab <= 0) {
-        llama_kvp_set_error("recover_step: no logits");
-        return -1;
-    }
-    return llama_kvp_freeze_recover(*mem, logits, n_vocab);
-}
-
-int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem) {
-        return -1;
-    }
-    std::vector<int32_t> s;
-    std::vector<int32_t> l;
-    std::vector<float>   e;
-    llama_kvp_freeze_ladder(*mem, nullptr, &s, &l, &e);
-    for (int32_t i = 0; i < (int32_t) s.size() && i < n_max; ++i) {
-        if (step)    { step[i]    = s[i]; }
-        if (level)   { level[i]   = l[i]; }
-        if (entropy) { entropy[i] = e[i]; }
-    }
-    return (int32_t) s.size();
-}
-
-int32_t llama_kvp_latent_rerank(struct llama_context * ctx) {
-    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
-    if (!mem) {
-        return -1;
-    }
-    if (!llama_kvp_latent_reranks(mem->policy)) {
-        llama_kvp_set_error("latent re-ranking needs the latent schedule or freeze with gap >= 0 (e.g. snapkv:budget=0.1+host+latent:gap=0)");
-        return -1;
-    }
-    llama_synchronize(ctx);
-    llama_kvp_latent_rerank_layers(*mem);
-    return 0;
-}
-
-int32_t llama_kvp_latent_prompt_end(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
-                                    int32_t pruned, float * logits) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return -1;
-    }
-    auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
-    if (!mem || !llama_kvp_latent_at_prompt_end(mem->policy) || n_tokens < 2) {
-        return 0; // nothing to do at a prompt's end
-    }
-    if (!tokens || pos0 < 0) {
-        llama_kvp_set_error("latent_prompt_end: need the prompt's tokens and pos0 >= 0");
-        return -1;
-    }
-    return llama_kvp_latent_rerun_end(ctx, *mem, tokens, n_tokens, pos0, pruned != 0, logits);
 }

@@ -282,7 +282,9 @@ uint32_t llama_kvp_host_tier_thaw(llama_kvp_memory & mem, int32_t ikv, uint32_t 
     return llama_kvp_host_restore(mem, ikv, S, ord);
 }
 
-bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_host_stats & out,
+// adds the host-tier counters of KV layer ikv (and its active tokens) to out (false if the layer has no host tier);
+// appends its host positions and timers when not null
+static bool llama_kvp_host_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_host_stats & out,
                                 std::vector<llama_pos> * pos, std::vector<int32_t> * timer) {
     const auto & L = mem.layers[ikv];
     out.n_active += (int32_t) llama_kvp_kv_access::n_used(*L.kv);
@@ -418,4 +420,72 @@ struct llama_kvp_fate_host : llama_kvp_fate_stage {
 const llama_kvp_stage * llama_kvp_stage_fate_host() {
     static const llama_kvp_fate_host stage;
     return &stage;
+}
+
+//
+// C API (llama-kvp.h): the host tier of a context
+//
+
+llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_HOST) {
+        llama_kvp_set_error("the context's policy has no host tier (fate stage 'host')");
+        return nullptr;
+    }
+    return mem;
+}
+
+int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem || !llama_kvp_check_out(out)) {
+        return -1;
+    }
+    *out = {};
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        llama_kvp_host_layer_stats(*mem, i, *out, nullptr, nullptr);
+    }
+    out->host_bytes_peak = mem->host_bytes_peak;
+    out->n_steps  = mem->st ? mem->st->n_decode : 0;
+    out->n_rerank = mem->n_rerank;
+    llama_kvp_freeze_ladder(*mem, out->n_recover, nullptr, nullptr, nullptr);
+    return 0;
+}
+
+int32_t llama_kvp_layer_host(struct llama_context * ctx, int32_t ikv, int32_t * pos, int32_t * timer, int32_t n_max) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
+        return -1;
+    }
+    llama_kvp_host_stats tmp = {};
+    std::vector<llama_pos> p;
+    std::vector<int32_t>   t;
+    llama_kvp_host_layer_stats(*mem, ikv, tmp, &p, &t);
+    for (int32_t i = 0; i < (int32_t) p.size() && i < n_max; ++i) {
+        if (pos) {
+            pos[i] = p[i];
+        }
+        if (timer) {
+            timer[i] = t[i];
+        }
+    }
+    return (int32_t) p.size();
+}
+
+int32_t llama_kvp_host_thaw_all(struct llama_context * ctx) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    llama_synchronize(ctx);
+    int32_t res = 0;
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        res += (int32_t) llama_kvp_host_tier_thaw(*mem, i, mem->n_room(i, 1));
+    }
+    if (mem->stage_schedule) {
+        mem->stage_schedule->forget(*mem, 0, -1); // the counts start again
+    }
+    return res;
 }

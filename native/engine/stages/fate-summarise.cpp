@@ -1155,7 +1155,16 @@ const llama_kvp_stage * llama_kvp_stage_fate_summarise() {
     return &stage;
 }
 
-bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_summary_stats & out,
+// sums of the fit errors over the (bin, KV head) fits
+struct llama_kvp_summarise_sums {
+    double  err   = 0.0;
+    double  lse   = 0.0;
+    int64_t n_fit = 0;
+};
+
+// adds the summarise counters of KV layer ikv to out and sums (false if the layer has no summarise state); appends
+// the positions it summarised to `summarised` and those waiting in its bin to `pending` when not null
+static bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, llama_kvp_summary_stats & out,
                                      llama_kvp_summarise_sums & sums, std::vector<llama_pos> * summarised,
                                      std::vector<llama_pos> * pending) {
     const auto & L = mem.layers[ikv];
@@ -1190,4 +1199,59 @@ bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_t ikv, 
         pending->insert(pending->end(), S.pos.begin(), S.pos.end());
     }
     return true;
+}
+
+//
+// C API (llama-kvp.h): the summaries of a context
+//
+
+static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_SUMMARISE) {
+        llama_kvp_set_error("the context's policy does not summarise (fate stage 'summarise')");
+        return nullptr;
+    }
+    return mem;
+}
+
+int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out) {
+    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
+    if (!mem || !llama_kvp_check_out(out)) {
+        return -1;
+    }
+    *out = {};
+    llama_kvp_summarise_sums sums;
+    for (int32_t i = 0; i < (int32_t) mem->layers.size(); ++i) {
+        llama_kvp_summarise_layer_stats(*mem, i, *out, sums, nullptr, nullptr);
+    }
+    out->fit_err     = sums.n_fit > 0 ? (float) (sums.err/sums.n_fit) : 0.0f;
+    out->fit_lse_err = sums.n_fit > 0 ? (float) (sums.lse/sums.n_fit) : 0.0f;
+    return 0;
+}
+
+// positions of a summarising layer's tokens that are summarised (pending: false) or waiting in its bin (true)
+static int32_t llama_kvp_layer_summary_pos(struct llama_context * ctx, int32_t ikv, bool pending, int32_t * out, int32_t n_max) {
+    llama_kvp_memory * mem = llama_kvp_summarising_mem(ctx);
+    if (!mem || !llama_kvp_check_layer(mem, ikv)) {
+        return -1;
+    }
+    llama_kvp_summary_stats tmp = {};
+    llama_kvp_summarise_sums sums;
+    std::vector<llama_pos> pos;
+    llama_kvp_summarise_layer_stats(*mem, ikv, tmp, sums, pending ? nullptr : &pos, pending ? &pos : nullptr);
+    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
+        out[i] = pos[i];
+    }
+    return (int32_t) pos.size();
+}
+
+int32_t llama_kvp_layer_summarised(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    return llama_kvp_layer_summary_pos(ctx, ikv, false, out, n_max);
+}
+
+int32_t llama_kvp_layer_pending(struct llama_context * ctx, int32_t ikv, int32_t * out, int32_t n_max) {
+    return llama_kvp_layer_summary_pos(ctx, ikv, true, out, n_max);
 }

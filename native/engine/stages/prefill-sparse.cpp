@@ -29,11 +29,36 @@
 #include "llama-graph.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
+#include "llama-kvp-memory.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+
+// the state and telemetry of a layer (one buffer beside the layer's K cache), per sequence
+struct llama_kvp_sparse_state : llama_kvp_layer_state {
+    ggml_context_ptr        ctx;
+    ggml_backend_buffer_ptr buf;
+    ggml_tensor * state   = nullptr; // F32 [n_head, 3]         entropy and budget of the last segment, Dynamic flag
+    ggml_tensor * budget  = nullptr; // F32 [n_head, n_seg_max] budget (tokens) of each segment of the sequence
+    ggml_tensor * entropy = nullptr; // F32 [n_head, n_seg_max] normalised block entropy of each segment
+    ggml_tensor * count   = nullptr; // F32 [3]                 blocks computed, blocks visible, sparse ubatches
+    int32_t n_seg_max = 0;
+};
+
+// the state of KV layer ikv (nullptr: none)
+static llama_kvp_sparse_state * llama_kvp_sparse_state_of(const llama_kvp_context * st, int32_t ikv) {
+    if (!st || ikv < 0 || ikv >= (int32_t) st->layers.size()) {
+        return nullptr;
+    }
+    return dynamic_cast<llama_kvp_sparse_state *>(st->layers[ikv].prefill_state.get());
+}
+
+static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
+static void llama_kvp_sparse_graph_begin(llama_kvp_context * st);
+static ggml_tensor * llama_kvp_sparse_graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
+        ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
 
 struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     llama_kvp_prefill_sparse() : llama_kvp_prefill_stage(LLAMA_KVP_PREFILL_SPARSE, LLAMA_KVP_SLOT_PREFILL, "sparse",
@@ -102,6 +127,26 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
         return llama_kvp_prefill_n_guide(p, n_ubatch);
     }
+
+    bool computes_attention() const override { return true; }
+
+    void alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx_seq) const override {
+        llama_kvp_sparse_alloc(st, ikv, n_ctx_seq);
+    }
+
+    uint32_t n_graph_nodes(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
+        // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment)
+        return 100 + 24*((n_ubatch + p.segment - 1)/p.segment);
+    }
+
+    void graph_begin(llama_kvp_context * st) const override {
+        llama_kvp_sparse_graph_begin(st);
+    }
+
+    ggml_tensor * graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q, ggml_tensor * k,
+                             ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il) const override {
+        return llama_kvp_sparse_graph_attn(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il);
+    }
 };
 
 const llama_kvp_stage * llama_kvp_stage_prefill_sparse() {
@@ -109,30 +154,28 @@ const llama_kvp_stage * llama_kvp_stage_prefill_sparse() {
     return &stage;
 }
 
-bool llama_kvp_policy_sparse(const llama_kvp_policy & p) {
-    return p.stage[LLAMA_KVP_SLOT_PREFILL] == LLAMA_KVP_PREFILL_SPARSE;
-}
-
 //
 // state tensors (one buffer per layer, beside the layer's K cache)
 //
 
-void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx) {
+static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx) {
     auto & L = st->layers[ikv];
+    auto S = std::make_unique<llama_kvp_sparse_state>();
     ggml_context * ctx = llama_kvp_layer_ctx(4, "sparse prefill state");
-    L.sp_ctx.reset(ctx);
+    S->ctx.reset(ctx);
     const int64_t n_seg = (n_ctx + st->policy.segment - 1)/st->policy.segment + 1;
-    L.sp_state   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, 3);
-    L.sp_budget  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
-    L.sp_entropy = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
-    L.sp_count   = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 3);
-    ggml_format_name(L.sp_state,   "kvp_sp_state-%d",   L.il);
-    ggml_format_name(L.sp_budget,  "kvp_sp_budget-%d",  L.il);
-    ggml_format_name(L.sp_entropy, "kvp_sp_entropy-%d", L.il);
-    ggml_format_name(L.sp_count,   "kvp_sp_count-%d",   L.il);
+    S->state   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, 3);
+    S->budget  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
+    S->entropy = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, st->n_head, n_seg);
+    S->count   = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 3);
+    ggml_format_name(S->state,   "kvp_sp_state-%d",   L.il);
+    ggml_format_name(S->budget,  "kvp_sp_budget-%d",  L.il);
+    ggml_format_name(S->entropy, "kvp_sp_entropy-%d", L.il);
+    ggml_format_name(S->count,   "kvp_sp_count-%d",   L.il);
 
-    L.sp_buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "sparse prefill state"));
-    L.n_seg_max = (int32_t) n_seg;
+    S->buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "sparse prefill state"));
+    S->n_seg_max = (int32_t) n_seg;
+    L.prefill_state = std::move(S);
 }
 
 //
@@ -152,6 +195,7 @@ public:
 
     llama_kvp_context * st;
     const int64_t n_tokens;
+    int32_t n_seg_max = 1; // rows of the layers' telemetry (the sequence's segments)
 
     ggml_tensor * keep     = nullptr; // F32 [1]      0 when the ubatch starts the sequence (state reset), else 1
     ggml_tensor * seg_rows = nullptr; // I64 [n_seg]  segment index of each segment in the sequence (telemetry rows)
@@ -255,7 +299,7 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
     if (seg_rows) {
         std::vector<int64_t> rows(n_seg);
         for (int64_t s = 0; s < n_seg; ++s) {
-            rows[s] = std::min<int64_t>(std::max<llama_pos>(lo[s], 0)/seg, st->layers[0].n_seg_max - 1);
+            rows[s] = std::min<int64_t>(std::max<llama_pos>(lo[s], 0)/seg, n_seg_max - 1);
         }
         ggml_backend_tensor_set(seg_rows, rows.data(), 0, n_seg*sizeof(int64_t));
     }
@@ -285,11 +329,11 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
 // graph hook
 //
 
-static thread_local llama_kvp_context      * g_sp_st  = nullptr;
+// the graph input of the graph built on this thread (made by its first sparse layer)
 static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
 
-void llama_kvp_sparse_graph_begin(llama_kvp_context * kvp) {
-    g_sp_st  = kvp;
+static void llama_kvp_sparse_graph_begin(llama_kvp_context * st) {
+    (void) st;
     g_sp_inp = nullptr;
 }
 
@@ -317,7 +361,9 @@ static std::string llama_kvp_sparse_unsupported(ggml_tensor * node, ggml_tensor 
     return "";
 }
 
-ggml_tensor * llama_kvp_graph_sparse_attn(
+// block-sparse attention of a prompt ubatch where the layer qualifies; else nullptr (dense)
+static ggml_tensor * llama_kvp_sparse_graph_attn(
+      llama_kvp_context * st,
         const llm_graph_context & gctx,
                     ggml_tensor * q,
                     ggml_tensor * k,
@@ -326,8 +372,7 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il) {
-    llama_kvp_context * st = g_sp_st;
-    if (!st || !llama_kvp_policy_sparse(st->policy) || gctx.cparams.training) {
+    if (!st || gctx.cparams.training) {
         return nullptr;
     }
     if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
@@ -335,11 +380,11 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     }
     const auto & p = st->policy;
     const int32_t ikv = st->layer_of_il[il];
-    auto & L = st->layers[ikv];
+    llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, ikv);
 
     const int64_t n_tokens = q->ne[2];
     const int64_t n_kv     = k->ne[2];
-    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !L.sp_state || n_kv % p.block != 0) {
+    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !S || n_kv % p.block != 0) {
         return nullptr; // decode step, short context, an early layer or cells not in whole blocks: dense
     }
     if (!gctx.cparams.flash_attn || v->nb[1] > v->nb[2] || k->ne[3] != 1 || kq_mask == nullptr) {
@@ -395,6 +440,7 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     // one input object per graph, shared by the layers
     if (!g_sp_inp || g_sp_inp->n_tokens != n_tokens) {
         auto inp = std::make_unique<llama_kvp_sparse_input>(st, n_tokens);
+        inp->n_seg_max = S->n_seg_max;
         inp->keep = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, 1);
         ggml_set_input(inp->keep);
         inp->seg_rows = ggml_new_tensor_1d(ctx0, GGML_TYPE_I64, n_seg);
@@ -453,9 +499,9 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
         return ggml_add(ctx0, fresh, ggml_mul(ctx0, ggml_sub(ctx0, kept, fresh), inp->keep));
     };
     ggml_tensor * h0        = col(ent_t, 0);
-    ggml_tensor * h_prev    = blend(col(L.sp_state, 0), h0);
-    ggml_tensor * b_prev    = blend(col(L.sp_state, 1), ggml_scale_bias(ctx0, h0, 0.0f, base));
-    ggml_tensor * dyn       = ggml_mul(ctx0, col(L.sp_state, 2), inp->keep);
+    ggml_tensor * h_prev    = blend(col(S->state, 0), h0);
+    ggml_tensor * b_prev    = blend(col(S->state, 1), ggml_scale_bias(ctx0, h0, 0.0f, base));
+    ggml_tensor * dyn       = ggml_mul(ctx0, col(S->state, 2), inp->keep);
     ggml_tensor * budgets   = nullptr;                                                               // [n_head, n_seg]
     for (int64_t js = 0; js < n_seg; ++js) {
         ggml_tensor * h = col(ent_t, js);
@@ -476,7 +522,7 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     }
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, ggml_concat(ctx0, ggml_concat(ctx0,
             ggml_reshape_2d(ctx0, h_prev, n_head, 1), ggml_reshape_2d(ctx0, b_prev, n_head, 1), 1),
-            ggml_reshape_2d(ctx0, dyn, n_head, 1), 1), L.sp_state));
+            ggml_reshape_2d(ctx0, dyn, n_head, 1), 1), S->state));
 
     // 4. blocks per head and segment: sink and local blocks first, then by pooled score
     // a segment holding a token whose logits are read (the prompt's last) computes every visible block: what the
@@ -493,14 +539,14 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
     ggml_format_name(cur, "kvp_sparse_attn-%d", il);
 
     // telemetry: budgets and entropies by segment of the sequence, blocks computed and visible
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L.sp_budget,  budgets, inp->seg_rows));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L.sp_entropy, ent_t,   inp->seg_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, S->budget, budgets, inp->seg_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx0, S->entropy, ent_t,   inp->seg_rows));
     ggml_tensor * nv_row = ggml_reshape_2d(ctx0, n_vis, 1, n_seg);
     ggml_tensor * done   = ggml_sub(ctx0, n_blocks, ggml_relu(ctx0, ggml_sub(ctx0, n_blocks, nv_row))); // min(count, visible)
     ggml_tensor * tally  = ggml_concat(ctx0, ggml_concat(ctx0, ggml_sum(ctx0, done), ggml_scale(ctx0, ggml_sum(ctx0, n_vis), (float) n_head), 0),
             ggml_scale_bias(ctx0, ggml_sum(ctx0, n_vis), 0.0f, 1.0f), 0);                          // [3]
-    ggml_tensor * acc    = ggml_add(ctx0, ggml_mul(ctx0, L.sp_count, inp->keep), tally);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, L.sp_count));
+    ggml_tensor * acc    = ggml_add(ctx0, ggml_mul(ctx0, S->count, inp->keep), tally);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, acc, S->count));
 
     return ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]);
 }
@@ -509,27 +555,78 @@ ggml_tensor * llama_kvp_graph_sparse_attn(
 // telemetry
 //
 
-int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg) {
-    if (!st || ikv < 0 || ikv >= (int32_t) st->layers.size() || !st->layers[ikv].sp_state) {
+static int32_t llama_kvp_sparse_read(llama_kvp_context * st, int32_t ikv, float * count3, float * dyn, float * budgets, float * entropy, int32_t n_seg) {
+    const llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, ikv);
+    if (!S) {
         return -1;
     }
     if (st->lctx) {
         ggml_backend_sched_synchronize(st->lctx->get_sched());
     }
-    const auto & L = st->layers[ikv];
     const int64_t nh = st->n_head;
     if (count3) {
-        ggml_backend_tensor_get(L.sp_count, count3, 0, 3*sizeof(float));
+        ggml_backend_tensor_get(S->count, count3, 0, 3*sizeof(float));
     }
     if (dyn) {
-        ggml_backend_tensor_get(L.sp_state, dyn, 2*nh*sizeof(float), nh*sizeof(float));
+        ggml_backend_tensor_get(S->state, dyn, 2*nh*sizeof(float), nh*sizeof(float));
     }
-    const int64_t n = std::min<int64_t>(n_seg, L.n_seg_max);
+    const int64_t n = std::min<int64_t>(n_seg, S->n_seg_max);
     if (budgets && n > 0) {
-        ggml_backend_tensor_get(L.sp_budget, budgets, 0, n*nh*sizeof(float));
+        ggml_backend_tensor_get(S->budget, budgets, 0, n*nh*sizeof(float));
     }
     if (entropy && n > 0) {
-        ggml_backend_tensor_get(L.sp_entropy, entropy, 0, n*nh*sizeof(float));
+        ggml_backend_tensor_get(S->entropy, entropy, 0, n*nh*sizeof(float));
     }
     return (int32_t) n;
+}
+
+//
+// C API (llama-kvp.h): sparse prefill's telemetry
+//
+
+static llama_kvp_context * llama_kvp_sparse_ctx(llama_context * ctx) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_context * st = ctx->get_kvp();
+    if (!st || !llama_kvp_policy_sparse(st->policy)) {
+        llama_kvp_set_error("this context has no sparse prefill (create it with a policy that has the stage '+sparse')");
+        return nullptr;
+    }
+    return st;
+}
+
+int32_t llama_kvp_sparse_info(struct llama_context * ctx, struct llama_kvp_sparse_info * out) {
+    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
+    if (!st || !llama_kvp_check_out(out)) {
+        return -1;
+    }
+    const llama_pos p_max = llama_memory_seq_pos_max(llama_get_memory(ctx), st->mem ? st->mem->seq_cur : 0);
+    const llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, 0);
+    out->n_layer = (int32_t) st->layers.size();
+    out->n_head  = st->n_head;
+    out->n_seg   = p_max < 0 ? 0 : std::min<int32_t>((p_max + st->policy.segment)/st->policy.segment, S ? S->n_seg_max : 0);
+    out->segment = st->policy.segment;
+    out->block   = st->policy.block;
+    return 0;
+}
+
+int32_t llama_kvp_sparse_telemetry(struct llama_context * ctx, float * counts, float * dynamic, float * budgets, float * entropy, int32_t n_seg) {
+    llama_kvp_context * st = llama_kvp_sparse_ctx(ctx);
+    if (!st) {
+        return -1;
+    }
+    if (n_seg < 0) {
+        llama_kvp_set_error("sparse_telemetry: n_seg must be >= 0 (got " + std::to_string(n_seg) + ")");
+        return -1;
+    }
+    const int32_t nh = st->n_head;
+    for (int32_t ikv = 0; ikv < (int32_t) st->layers.size(); ++ikv) {
+        if (llama_kvp_sparse_read(st, ikv, counts ? counts + 3*ikv : nullptr, dynamic ? dynamic + nh*ikv : nullptr,
+                budgets ? budgets + (size_t) nh*n_seg*ikv : nullptr, entropy ? entropy + (size_t) nh*n_seg*ikv : nullptr, n_seg) < 0) {
+            llama_kvp_set_error("no sparse prefill state in layer " + std::to_string(st->layers[ikv].il));
+            return -1;
+        }
+    }
+    return (int32_t) st->layers.size();
 }

@@ -405,3 +405,40 @@ const llama_kvp_stage * llama_kvp_stage_schedule_freeze() {
     static const llama_kvp_schedule_freeze stage;
     return &stage;
 }
+
+//
+// C API (llama-kvp.h): the recovery ladder
+//
+
+int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits, int32_t n_vocab) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (mem->policy.stage[LLAMA_KVP_SLOT_SCHEDULE] != LLAMA_KVP_SCHEDULE_FREEZE || !(mem->policy.z > 0.0f)) {
+        llama_kvp_set_error("the recovery ladder needs the freeze schedule with z > 0 (e.g. freeze:z=2)");
+        return -1;
+    }
+    if (!logits || n_vocab <= 0) {
+        llama_kvp_set_error("recover_step: no logits");
+        return -1;
+    }
+    return llama_kvp_freeze_recover(*mem, logits, n_vocab);
+}
+
+int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    std::vector<int32_t> s;
+    std::vector<int32_t> l;
+    std::vector<float>   e;
+    llama_kvp_freeze_ladder(*mem, nullptr, &s, &l, &e);
+    for (int32_t i = 0; i < (int32_t) s.size() && i < n_max; ++i) {
+        if (step)    { step[i]    = s[i]; }
+        if (level)   { level[i]   = l[i]; }
+        if (entropy) { entropy[i] = e[i]; }
+    }
+    return (int32_t) s.size();
+}

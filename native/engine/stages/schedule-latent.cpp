@@ -324,3 +324,37 @@ int32_t llama_kvp_latent_rerun_end(llama_context * ctx, llama_kvp_memory & mem, 
     llama_batch_free(batch);
     return res;
 }
+
+//
+// C API (llama-kvp.h): latent re-ranking
+//
+
+int32_t llama_kvp_latent_rerank(struct llama_context * ctx) {
+    llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
+    if (!mem) {
+        return -1;
+    }
+    if (!llama_kvp_latent_reranks(mem->policy)) {
+        llama_kvp_set_error("latent re-ranking needs the latent schedule or freeze with gap >= 0 (e.g. snapkv:budget=0.1+host+latent:gap=0)");
+        return -1;
+    }
+    llama_synchronize(ctx);
+    llama_kvp_latent_rerank_layers(*mem);
+    return 0;
+}
+
+int32_t llama_kvp_latent_prompt_end(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                    int32_t pruned, float * logits) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return -1;
+    }
+    auto * mem = dynamic_cast<llama_kvp_memory *>(ctx->get_memory());
+    if (!mem || !llama_kvp_latent_at_prompt_end(mem->policy) || n_tokens < 2) {
+        return 0; // nothing to do at a prompt's end
+    }
+    if (!tokens || pos0 < 0) {
+        llama_kvp_set_error("latent_prompt_end: need the prompt's tokens and pos0 >= 0");
+        return -1;
+    }
+    return llama_kvp_latent_rerun_end(ctx, *mem, tokens, n_tokens, pos0, pruned != 0, logits);
+}
