@@ -42,6 +42,9 @@ def error_body(message: str, param: Optional[str] = None, code: Optional[str] = 
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
+# the most alternatives per token `logprobs` / `top_logprobs` may ask (OpenAI's API: 5 and 20)
+MAX_LOGPROBS = 20
+
 # the loaded model's vocabulary size and the largest request body taken (bytes), set by the server (None: unknown)
 VOCAB_SIZE: Callable[[], Optional[int]] = lambda: None
 MAX_BODY: Callable[[], Optional[int]] = lambda: None
@@ -63,9 +66,18 @@ def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
     for key in ("n", "best_of"):  # llama-cpp-python answers one choice whatever they ask
         if isinstance(obj.get(key), int) and not isinstance(obj[key], bool) and obj[key] > 1:
             return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)", obj, False
+    for key in ("logprobs", "top_logprobs"):  # unbounded, a response grows by the vocabulary per token
+        value = obj.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LOGPROBS:
+            return f"{key}={value}: at most {MAX_LOGPROBS} alternatives per token", obj, False
     prompt = obj.get("prompt")
+    if isinstance(prompt, list) and any(not isinstance(p, str) for p in prompt):  # llama-cpp-python: str or [str]
+        return "prompt: give the prompt as text (this server takes no token ids)", obj, False
     if isinstance(prompt, list) and len(prompt) > 1:  # llama-cpp-python asserts one
         return f"prompt: one prompt per request (got a list of {len(prompt)})", obj, False
+    stop = obj.get("stop")
+    if stop == "" or (isinstance(stop, list) and "" in stop):  # it would end every completion before its first token
+        return "stop: an empty stop string would end the completion at once", obj, False
     changed = False
     for i, m in enumerate(obj.get("messages") if isinstance(obj.get("messages"), list) else []):
         content = m.get("content", "") if isinstance(m, dict) else ""

@@ -153,6 +153,12 @@ def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "/v1/chat/completions", 400, "text parts only (got image_url)"),
     ({"prompt": ["a", "b"], "max_tokens": 2}, "/v1/completions", 400, "one prompt per request"),
+    ({"prompt": [1, 2, 3], "max_tokens": 2}, "/v1/completions", 400, "give the prompt as text"),
+    ({"prompt": [1], "max_tokens": 2}, "/v1/completions", 400, "give the prompt as text"),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 100000}, "/v1/completions", 400, "logprobs=100000: at most 20"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1 << 63},
+     "/v1/chat/completions", 400, "top_logprobs=9223372036854775808: at most 20"),
+    ({"prompt": "Hi", "max_tokens": 2, "stop": ["\n", ""]}, "/v1/completions", 400, "an empty stop string"),
     ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"99999999": 5}}, "/v1/completions", 400, "not a token id"),
     ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"-1": 5}}, "/v1/completions", 400, "not a token id"),
     ({"input": "Hi"}, "/v1/embeddings", 400, "start it with --embedding"),
@@ -161,7 +167,8 @@ def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body
 def test_more_bad_requests_get_an_error_object(server, body, path, status, says):
     """Found by an audit: these were 500s (a null or non-text chat content, a list of prompts, embeddings from a
     server without them), or silently dropped or misapplied (a logit_bias id outside the vocabulary; -1 biased the
-    last token), or read and tokenized whatever their size."""
+    last token; an empty stop string emptied every answer), or read and tokenized whatever their size, or answered
+    whatever they cost (logprobs=100000: a 173 MiB response after 76 s), or misnamed (token ids: "a list of 3")."""
     got, res = post(server, json.dumps(body).encode(), path)
     assert got == status and says in res["error"]["message"], res
     got, res = post(server, json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode())
