@@ -18,7 +18,7 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any, ClassVar, Dict, Tuple, Type
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 import numpy as np
 
@@ -200,6 +200,11 @@ class Stage:
     def raw_spec(self) -> str:
         """Return this stage's part of a spec, e.g. `entropy:min_layer=64`."""
         return _part(self.name, self)
+
+    @classmethod
+    def server_stats(cls, llm: Any) -> Optional[Dict[str, Any]]:
+        """What `pykvcache serve`'s KV stats show of this stage's state in a context (None: nothing)."""
+        return None
 
     def __add__(self, other: "Stage | Stages") -> "Stages":
         """This stage and the other(s), to be added to a policy together."""

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
+from .stages import STAGES
 from .rpc import RPCError
 
 try:
@@ -118,15 +119,11 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
         # host memory beside the cache (not in kv_bytes): the host tier's tokens or summarise's pending bins
         res["host_bytes"] = mem.host_bytes
         res["host_bytes_peak"] = mem.host_bytes_peak
-        fate = pol.describe()["stages"].get("fate")
-        if fate == "host":
-            h = llama.kv_host()
-            res["host"] = {k: getattr(h, k) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict",
-                                                        "n_dropped", "n_rerank")}
-        elif fate == "summarise":
-            sm = llama.kv_summary()
-            res["summarise"] = {k: getattr(sm, k) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback",
-                                                             "n_dropped", "fit_err")}
+        for name in pol.describe()["stages"].values():  # what a stage shows of its own state (host, summarise)
+            stage = STAGES.get(name)
+            shown = stage.server_stats(llama) if stage is not None else None
+            if shown is not None:
+                res[name] = shown
         for row, b in zip(res["layers"], mem.layers):
             row["budget"] = b.budget
             row["entropy"] = b.entropy

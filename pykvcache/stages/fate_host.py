@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
 
 import numpy as np
 
@@ -26,6 +26,13 @@ class HostFate(Stage):
     slot: ClassVar[str] = "fate"
 
     limit: Optional[int] = None
+
+    @classmethod
+    def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
+        """The host tier's token counts and moves, for the server's KV stats."""
+        h = read_telemetry(llm)
+        return {k: getattr(h, k) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict", "n_dropped",
+                                           "n_rerank")}
 
 
 def read_telemetry(llm: "Llama") -> HostTelemetry:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
 
 import numpy as np
 
@@ -34,6 +34,12 @@ class SummariseFate(Stage):
     bin: Optional[int] = None
     rank: Optional[int] = None
     lam: Optional[float] = None
+
+    @classmethod
+    def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
+        """The bins, centroids and fit error so far, for the server's KV stats."""
+        sm = read_telemetry(llm)
+        return {k: getattr(sm, k) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback", "n_dropped", "fit_err")}
 
 
 def read_telemetry(llm: "Llama") -> SummaryTelemetry:
