@@ -268,6 +268,14 @@ class Llama(llama_cpp.Llama):
     def _native_ctx(self) -> Any:
         return ctx_pointer(self._ctx.ctx)
 
+    _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
+
+    def _select_own_seq(self) -> None:
+        # the native calls of a prompt (budget, guided prefill, prefix reuse) act on the selected sequence, which
+        # another user of the context (a sequence view) may have changed
+        if self._n_seq_max > 1 and self._kv_policy is not None and self._kv_policy.retains:
+            native()[1].llama_kvp_seq_select(self._native_ctx(), self._own_seq)
+
     def native_policy(self) -> Policy:
         """The policy as the native context holds it."""
         ffi, lib = native()
@@ -302,6 +310,7 @@ class Llama(llama_cpp.Llama):
             raise RuntimeError(f"the context's n_ctx={self._n_ctx} positions are used ({self.n_tokens} held, "
                                f"{len(tokens)} more asked): a longer generation needs a larger n_ctx")
         pol = self._kv_policy
+        self._select_own_seq()
         n_in = len(tokens)
         # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
         # pruned cache (not a new prompt that no eviction reached: there it would take their full context away)
@@ -392,6 +401,7 @@ class Llama(llama_cpp.Llama):
                              "prompt)")
         check_token_ids(tokens, self._n_vocab)  # the prompt's; the sampled ones are the vocabulary's
         pol = self._kv_policy
+        self._select_own_seq()
         if pol is not None and pol.retains and self._kv_reuse == "exact" and reset and self.n_tokens > 0:
             self._kv_reuse_prefix(list(tokens))
         elif (pol is not None and pol.sparse and reset and self.n_tokens > 0

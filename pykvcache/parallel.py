@@ -91,6 +91,10 @@ class SequenceView(Llama):
     def _give(self) -> None:
         self._turns.give(self._turn)
 
+    @property
+    def _own_seq(self) -> int:  # type: ignore[override]
+        return self.seq
+
     def _native_ctx(self) -> Any:
         # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence; inside
         # `generate` they take the turn, elsewhere their caller holds it (eval, kv_sequence_stats)

@@ -248,3 +248,32 @@ def test_the_llama_methods_after_a_batch_run_sequence_0_in_its_own_positions(mod
     assert out["usage"]["total_tokens"] == N_CTX_SEQ and out["choices"][0]["finish_reason"] == "length"
     with pytest.raises(ValueError, match="token id 99999999 is outside the vocabulary"):  # "see the log", no log
         llm.generate_batch([prompts[0], [1, 99999999]], 2)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=64", "h2o:budget=128"])
+def test_the_llama_methods_after_a_sequence_view_run_sequence_0(model_path, spec):
+    """Found by a fuzzer: once a sequence view of sequence 1 had run, the parent's own calls (budget, guided prefill,
+    prefix reuse) acted on sequence 1: its next prompt failed ('the prompt length can only be set while the cache is
+    empty'), or a continuation of its earlier prompt changed (snapkv: '... not just a company that is' became
+    '... not just a software company.'). The telemetry reads the sequence selected last (llama_kvp_seq_select)."""
+    from pykvcache import corpus
+    from pykvcache.parallel import sequence_stats, sequence_views
+
+    text, other = corpus.essays()[2][:600], corpus.essays()[9][:300]
+
+    def run(with_view):
+        llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, n_threads=1, n_threads_batch=1, verbose=False,
+                    kv_policy=spec)
+        views = sequence_views(llm)
+        if with_view:
+            views[1].create_completion(other, max_tokens=4, temperature=0)
+        first = llm.create_completion(text, max_tokens=8, temperature=0)["choices"][0]["text"]
+        if with_view:
+            views[1].create_completion(other, max_tokens=8, temperature=0)
+            rows = sequence_stats(llm, views)
+            assert rows[1]["n_active"] > 0 and rows[1]["budget"] > 0
+        then = llm.create_completion(text + first + " So", max_tokens=12, temperature=0)["choices"][0]["text"]
+        llm.close()
+        return first, then
+
+    assert run(True) == run(False)
