@@ -41,6 +41,7 @@ struct kvbench_params {
     std::string              rpc;          // RPC servers, as llama-bench's --rpc
     int32_t                  n_ctx    = 0;
     int32_t                  n_batch  = 512;
+    int32_t                  n_ubatch = 0;   // 0: n_batch
     std::vector<ggml_type>   type_k   = { GGML_TYPE_F16 }; // KV cache types, as llama-bench's -ctk / -ctv
     std::vector<ggml_type>   type_v   = { GGML_TYPE_F16 };
     llama_flash_attn_type    flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED;
@@ -219,12 +220,15 @@ static void kvbench_usage(const char * argv0) {
     printf("  -c, --ctx-size N          context size of every test (default: each test's depth + prompt + gen, raised to a\n");
     printf("                            policy's budget in tokens, padded to 256; the full cache's KV bytes, the reference of\n");
     printf("                            KV x, are those of the test's own context)\n");
-    printf("  -b, --batch-size N        logical and physical batch size (default: 512)\n");
+    printf("  -b, --batch-size N        logical batch size: tokens per llama_decode call (default: 512)\n");
+    printf("  -ub, --ubatch-size N      physical batch size: tokens per graph (default: -b; at most -b); a retention\n");
+    printf("                            policy's prompt ubatches are also at most its `chunk`\n");
     printf("  -ctk, --cache-type-k T[,T..]  KV cache type of K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1\n");
     printf("                            (default: f16); with lists, each type is a test of its own, its ratios against\n");
     printf("                            the full cache of the same types\n");
     printf("  -ctv, --cache-type-v T[,T..]  KV cache type of V (default: f16; a quantized V needs flash attention)\n");
-    printf("  -fa, --flash-attn on|off|auto  flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU)\n");
+    printf("  -fa, --flash-attn on|off|auto\n");
+    printf("                            flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU)\n");
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
@@ -330,6 +334,8 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             add("-ctv", params.type_v, kvbench_parse_types(arg, value()));
         } else if (arg == "-b" || arg == "--batch-size") {
             params.n_batch = kvp_tool_parse_int(arg, value(), 1);
+        } else if (arg == "-ub" || arg == "--ubatch-size") {
+            params.n_ubatch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
             const std::string v = value();
             if (v == "on" || v == "1") {
@@ -820,6 +826,11 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
             kvbench_opt(lim, r.tg_limit_ratio, "%.6f", "null").c_str(), r.density, end);
 }
 
+// the physical batch size: -ub, at most -b (llama.cpp's rule), else -b
+static int32_t kvbench_n_ubatch(const kvbench_params & params) {
+    return params.n_ubatch > 0 ? std::min(params.n_ubatch, params.n_batch) : params.n_batch;
+}
+
 // flash attention in the JSON: true, false or "auto"
 static const char * kvbench_fa_json(llama_flash_attn_type fa) {
     return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "\"auto\"" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "true" : "false";
@@ -831,13 +842,15 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     char run[4096];
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
-            "\"n_batch\": %d, \"seed\": %u, \"tokens\": %s, ",
+            "\"n_batch\": %d, \"n_ubatch\": %d, \"seed\": %u, \"tokens\": %s, ",
             kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps,
-            params.n_batch, params.seed, kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
+            params.n_batch, kvbench_n_ubatch(params), params.seed,
+            kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
                 kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps);
-        printf("  \"n_batch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch, params.seed,
+        printf("  \"n_batch\": %d,\n  \"n_ubatch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch,
+                kvbench_n_ubatch(params), params.seed,
                 kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
         for (size_t i = 0; i < results.size(); ++i) {
             printf("    ");
@@ -893,8 +906,9 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     auto label = [typed](const kvbench_result & r) {
         return typed ? r.label + " [" + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]" : r.label;
     };
-    printf("kvbench: %s, %d threads, n_batch %d, flash attention %s, %d repetitions, tokens: %s\n\n", params.model_desc.c_str(),
-            params.n_threads, params.n_batch, llama_flash_attn_type_name(params.flash_attn), params.reps,
+    printf("kvbench: %s, %d threads, n_batch %d, n_ubatch %d, flash attention %s, %d repetitions, tokens: %s\n\n",
+            params.model_desc.c_str(), params.n_threads, params.n_batch, kvbench_n_ubatch(params),
+            llama_flash_attn_type_name(params.flash_attn), params.reps,
             params.text_file.empty() ? "random" : params.text_file.c_str());
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -995,7 +1009,7 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
     cparams = llama_context_default_params();
     cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
     cparams.n_batch  = params.n_batch;
-    cparams.n_ubatch = params.n_batch;
+    cparams.n_ubatch = kvbench_n_ubatch(params);
     cparams.flash_attn_type = params.flash_attn;
     cparams.n_threads       = params.n_threads;
     cparams.n_threads_batch = params.n_threads;

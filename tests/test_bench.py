@@ -181,9 +181,10 @@ def test_kvbench_sizes_each_test_as_llama_bench(model_path):
     assert sweep[("snapkv:budget=512", 64)]["n_ctx"] == 512  # its budget, not the 66 tokens of the test
 
 
-def test_kvbench_takes_llama_bench_ranges_pairs_and_flash_attn_auto(model_path):
+def test_kvbench_takes_llama_bench_ranges_pairs_ubatch_and_flash_attn_auto(model_path):
     """llama-bench's int ranges (first-last+step, first-last*factor), -pg pairs beside the -p x -n tests (a pair
-    already among them runs once) and -fa auto (llama.cpp's choice; on for the CPU), here with a retention policy."""
+    already among them runs once), -ub apart from -b and -fa auto (llama.cpp's choice; on for the CPU), here with a
+    retention policy."""
     p = kvbench("-p", "16-32+16", "-n", "1-2*2", "-pg", "16,2", "-pg", "32,0", "-r", "1", "-t", "1",
                 "-fa", "auto", "--no-limit", "-o", "json", "--policy", "h2o:budget=16,n_recent=8,chunk=16",
                 model_path=model_path)
@@ -192,9 +193,10 @@ def test_kvbench_takes_llama_bench_ranges_pairs_and_flash_attn_auto(model_path):
     assert doc["flash_attn"] == "auto"
     tests = [(r["n_depth"], r["n_prompt"], r["n_gen"]) for r in doc["results"] if r["label"] == "full"]
     assert tests == [(0, 16, 1), (0, 16, 2), (0, 32, 1), (0, 32, 2), (0, 32, 0)], tests
-    md = kvbench("-p", "16", "-n", "2", "-r", "1", "-t", "1", "-fa", "auto", "--no-limit", "--policy", "full",
-                 model_path=model_path)
-    assert md.returncode == 0 and "flash attention auto" in md.stdout.splitlines()[0]
+    assert doc["n_batch"] == doc["n_ubatch"] == 512
+    md = kvbench("-p", "16", "-n", "2", "-r", "1", "-t", "1", "-fa", "auto", "-b", "64", "-ub", "16", "--no-limit",
+                 "--policy", "full", model_path=model_path)
+    assert md.returncode == 0 and "n_batch 64, n_ubatch 16, flash attention auto" in md.stdout.splitlines()[0]
 
 
 def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):
@@ -216,7 +218,7 @@ def test_kvbench_says_when_sparse_prefill_cannot_run(model_path):
 def test_kvbench_help_documents_every_flag():
     p = kvbench("--help")
     assert p.returncode == 0
-    for flag in ("-m", "--policy", "-p", "-n", "-d", "-r", "-t", "-ngl", "-o", "-f", "-c", "-fa"):
+    for flag in ("-m", "--policy", "-p", "-n", "-pg", "-d", "-r", "-t", "-ngl", "-o", "-f", "-c", "-b", "-ub", "-fa"):
         assert f"  {flag}" in p.stdout or f", {flag}" in p.stdout, flag
 
 
