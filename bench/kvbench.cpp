@@ -306,12 +306,13 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "-n" || arg == "--n-gen") {
             add("-n", params.n_gen, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-pg") {
-            const std::string v = value();
-            const auto pg = kvp_tool_parse_list(arg, v, 0);
-            if (pg.size() != 2 || v.find_first_of("+*") != std::string::npos || std::count(v.begin(), v.end(), '-') > 0) {
+            const std::string v     = value();
+            const size_t      comma = v.find(',');
+            if (comma == std::string::npos) {
                 throw std::invalid_argument(arg + ": expected pp,tg (two integers >= 0), got '" + v + "'");
             }
-            params.n_pg.emplace_back(pg[0], pg[1]);
+            params.n_pg.emplace_back(kvp_tool_parse_int(arg + " pp", v.substr(0, comma), 0),
+                                     kvp_tool_parse_int(arg + " tg", v.substr(comma + 1), 0));
         } else if (arg == "-d" || arg == "--n-depth") {
             add("-d", params.n_depth, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-r" || arg == "--repetitions") {
@@ -1113,6 +1114,14 @@ int main(int argc, char ** argv) {
     // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size
     std::vector<kvbench_test> tests;
     int32_t n_need = 0;
+    const size_t n_tests_max = 100000;
+    const double n_tests = (double) params.n_depth.size()*(params.n_prompt.size()*params.n_gen.size() + params.n_pg.size())*
+                           params.type_k.size()*params.type_v.size(); // at most: before -pg pairs among -p x -n are dropped
+    if (n_tests > n_tests_max) {
+        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv), more than %zu\n", n_tests, n_tests_max);
+        llama_model_free(model);
+        return 1;
+    }
     std::vector<std::pair<int32_t, int32_t>> pgs; // (prompt, gen): every -p with every -n, then the -pg pairs not among them
     for (int32_t p : params.n_prompt) {
         for (int32_t g : params.n_gen) {
@@ -1150,7 +1159,7 @@ int main(int argc, char ** argv) {
         }
     }
     if (tests.empty()) {
-        fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (and no -pg)\n");
+        fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (every test has neither a prompt nor generated tokens)\n");
         llama_model_free(model);
         return 1;
     }

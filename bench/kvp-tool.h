@@ -53,39 +53,60 @@ static inline std::string kvp_tool_policy_str(const llama_kvp_policy & pol) {
     return res;
 }
 
-// "N[,N..]": integers >= min_value; throws with a message naming the flag
+// the integer of digits at *p (no sign, no space) up to the first non-digit, which *end points at; false if there are
+// no digits or the value is above INT32_MAX
+static inline bool kvp_tool_digits(const char * p, const char ** end, int64_t & x) {
+    x = 0;
+    const char * q = p;
+    for (; isdigit((unsigned char) *q); ++q) {
+        x = x*10 + (*q - '0');
+        if (x > INT32_MAX) {
+            return false;
+        }
+    }
+    *end = q;
+    return q != p;
+}
+
+// "N": one integer >= min_value; throws with a message naming the flag
+static inline int32_t kvp_tool_parse_int(const std::string & flag, const std::string & s, int32_t min_value) {
+    const char * end = nullptr;
+    int64_t x = 0;
+    if (!kvp_tool_digits(s.c_str(), &end, x) || *end != '\0' || x < min_value) {
+        throw std::invalid_argument(flag + ": expected an integer >= " + std::to_string(min_value) + ", got '" + s + "'");
+    }
+    return (int32_t) x;
+}
+
 // a comma-separated list of integers >= min_value; an item may be a range as llama-bench's: first-last (step 1),
-// first-last+step or first-last*factor, last included when the steps reach it (-p 128-1024*2 = 128,256,512,1024)
+// first-last+step or first-last*factor, last included when the steps reach it (-p 128-1024*2 = 128,256,512,1024);
+// throws with a message naming the flag
 static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag, const std::string & s, int32_t min_value) {
     static const size_t n_max = 4096; // values one flag may expand to
     const std::string expect = flag + ": expected integers >= " + std::to_string(min_value) +
         " or ranges first-last[+step|*factor], got '" + s + "'";
-    auto number = [&](const char * p, char ** end) {
-        errno = 0;
-        const long x = strtol(p, end, 10);
-        if (*end == p || errno != 0 || x < min_value || x > INT32_MAX) {
-            throw std::invalid_argument(expect);
-        }
-        return (int64_t) x;
-    };
     std::vector<int32_t> res;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-        const char * p = item.c_str();
-        char * end = nullptr;
-        if (item.empty() || (!isdigit((unsigned char) item[0]) && item[0] != '-')) {
+    size_t i0 = 0;
+    while (true) {
+        const size_t i1 = std::min(s.find(',', i0), s.size());
+        const std::string item = s.substr(i0, i1 - i0);
+        const char * end = nullptr;
+        int64_t first = 0;
+        if (!kvp_tool_digits(item.c_str(), &end, first)) {
             throw std::invalid_argument(expect);
         }
-        const int64_t first = number(p, &end);
         int64_t last = first;
         int64_t step = 1;
         char    op   = '+';
         if (*end == '-') {
-            last = number(end + 1, &end);
+            if (!kvp_tool_digits(end + 1, &end, last)) {
+                throw std::invalid_argument(expect);
+            }
             if (*end == '+' || *end == '*') {
-                op   = *end;
-                step = number(end + 1, &end);
+                op = *end;
+                if (!kvp_tool_digits(end + 1, &end, step)) {
+                    throw std::invalid_argument(expect);
+                }
             }
             if (last < first) {
                 throw std::invalid_argument(flag + ": range " + item + " ends before it starts");
@@ -94,7 +115,7 @@ static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag,
                 throw std::invalid_argument(flag + ": range " + item + " does not advance (a step >= 1, a factor >= 2 from a first >= 1)");
             }
         }
-        if (*end != '\0') {
+        if (*end != '\0' || first < min_value) {
             throw std::invalid_argument(expect);
         }
         for (int64_t x = first; x <= last; x = op == '+' ? x + step : x*step) {
@@ -103,19 +124,12 @@ static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag,
             }
             res.push_back((int32_t) x);
         }
-    }
-    if (res.empty()) {
-        throw std::invalid_argument(flag + ": expected a value");
+        if (i1 == s.size()) {
+            break;
+        }
+        i0 = i1 + 1;
     }
     return res;
-}
-
-static inline int32_t kvp_tool_parse_int(const std::string & flag, const std::string & s, int32_t min_value) {
-    const auto v = kvp_tool_parse_list(flag, s, min_value);
-    if (v.size() != 1) {
-        throw std::invalid_argument(flag + ": expected one integer, got '" + s + "'");
-    }
-    return v[0];
 }
 
 // n test tokens: the text file's tokens repeated, or (no file) random tokens from seed, without control or

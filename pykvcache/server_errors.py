@@ -50,6 +50,22 @@ VOCAB_SIZE: Callable[[], Optional[int]] = lambda: None
 MAX_BODY: Callable[[], Optional[int]] = lambda: None
 
 
+def _lax_int(value: Any) -> Optional[int]:
+    """The int pydantic's lax mode makes of a request field (100000, 100000.0, "100000"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
     """Parse a request body that should be a JSON object.
 
@@ -67,9 +83,9 @@ def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
         if isinstance(obj.get(key), int) and not isinstance(obj[key], bool) and obj[key] > 1:
             return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)", obj, False
     for key in ("logprobs", "top_logprobs"):  # unbounded, a response grows by the vocabulary per token
-        value = obj.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LOGPROBS:
-            return f"{key}={value}: at most {MAX_LOGPROBS} alternatives per token", obj, False
+        value = _lax_int(obj.get(key))
+        if value is not None and value > MAX_LOGPROBS:
+            return f"{key}={obj[key]}: at most {MAX_LOGPROBS} alternatives per token", obj, False
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and any(not isinstance(p, str) for p in prompt):  # llama-cpp-python: str or [str]
         return "prompt: give the prompt as text (this server takes no token ids)", obj, False

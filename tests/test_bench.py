@@ -106,7 +106,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["--bogus"], "unknown argument: --bogus"),
     (["--policy", "snapkv+bogus"], "unknown stage 'bogus'"),
     (["-p", "abc"], "-p: expected integers"),
-    (["-r", "0"], "-r: expected integers >= 1"),
+    (["-r", "0"], "-r: expected an integer >= 1"),
     (["-o", "xml"], "expected md, json, jsonl or csv"),
     (["--policy", "snapkv:budget=0"], "budget must be"),
     (["--policy", "nope"], "nope"),
@@ -114,6 +114,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-p", "512", "-c", "256"], "exceeds the context size"),
     (["-p", "2147483647", "-n", "1"], "is too large"),  # the sum wrapped: a 1-token list read past its end
     (["-p", "0", "-n", "0"], "-p 0 with -n 0 measures nothing"),
+    (["-p", "0", "-n", "0", "-pg", "0,0"], "-p 0 with -n 0 measures nothing"),
     (["--no-limit=1"], "--no-limit: takes no value"),
     (["-o", "sql"], "expected md, json, jsonl or csv"),
     (["-p", "32-16"], "-p: range 32-16 ends before it starts"),
@@ -122,7 +123,13 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-d", "1-100000"], "-d: more than 4096 values"),
     (["-p", "16-"], "-p: expected integers >= 0 or ranges"),
     (["-pg", "16"], "-pg: expected pp,tg"),
-    (["-pg", "16-32,2"], "-pg: expected pp,tg"),
+    (["-pg", "16-32,2"], "-pg pp: expected an integer >= 0, got '16-32'"),
+    (["-pg", "-1,2"], "-pg pp: expected an integer >= 0, got '-1'"),
+    (["-p", "1,2,"], "-p: expected integers >= 0 or ranges"),
+    (["-p", "1- 5"], "-p: expected integers >= 0 or ranges"),
+    (["-p", "-0-3"], "-p: expected integers >= 0 or ranges"),
+    (["-t", "2-2"], "-t: expected an integer >= 1, got '2-2'"),
+    (["-d", "0-4095", "-p", "0-4095", "-n", "1-2"], "more than 100000"),
     (["-fa", "maybe"], "-fa: expected on, off or auto"),
 ])
 def test_kvbench_bad_arguments_fail_with_a_message(args, message):

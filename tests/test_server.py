@@ -156,6 +156,8 @@ def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body
     ({"prompt": [1, 2, 3], "max_tokens": 2}, "/v1/completions", 400, "give the prompt as text"),
     ({"prompt": [1], "max_tokens": 2}, "/v1/completions", 400, "give the prompt as text"),
     ({"prompt": "Hi", "max_tokens": 2, "logprobs": 100000}, "/v1/completions", 400, "logprobs=100000: at most 20"),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 100000.0}, "/v1/completions", 400, "logprobs=100000.0: at most 20"),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": "100000"}, "/v1/completions", 400, "logprobs=100000: at most 20"),
     ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1 << 63},
      "/v1/chat/completions", 400, "top_logprobs=9223372036854775808: at most 20"),
     ({"prompt": "Hi", "max_tokens": 2, "stop": ["\n", ""]}, "/v1/completions", 400, "an empty stop string"),

@@ -99,7 +99,8 @@ struct llama_kvp_score_stage : llama_kvp_stage {
     }
 };
 
-// per-layer state a stage keeps between ubatches (owned by the per-layer memory)
+// per-layer state a stage keeps between ubatches (the fate and schedule stages': owned by the per-layer memory; the
+// prefill stage's: by the observation's layer, llama_kvp_obs_layer::prefill_state)
 struct llama_kvp_layer_state {
     virtual ~llama_kvp_layer_state() = default;
 };
