@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
-from .stages import STAGES
 from .rpc import RPCError
+from .stages import STAGES
 
 try:
     import llama_cpp

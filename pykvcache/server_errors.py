@@ -80,7 +80,8 @@ def parse_body(body: bytes) -> Tuple[Optional[str], Any, bool]:
     if not isinstance(obj, dict):
         return f"the request body must be a JSON object, not {type(obj).__name__}", None, False
     for key in ("n", "best_of"):  # llama-cpp-python answers one choice whatever they ask
-        if isinstance(obj.get(key), int) and not isinstance(obj[key], bool) and obj[key] > 1:
+        value = _lax_int(obj.get(key))
+        if value is not None and value > 1:
             return f"{key}={obj[key]}: this server answers one choice per request (n and best_of 1)", obj, False
     for key in ("logprobs", "top_logprobs"):  # unbounded, a response grows by the vocabulary per token
         value = _lax_int(obj.get(key))

@@ -158,6 +158,7 @@ def test_bad_requests_get_a_400_error_object_and_the_server_goes_on(server, body
     ({"prompt": "Hi", "max_tokens": 2, "logprobs": 100000}, "/v1/completions", 400, "logprobs=100000: at most 20"),
     ({"prompt": "Hi", "max_tokens": 2, "logprobs": 100000.0}, "/v1/completions", 400, "logprobs=100000.0: at most 20"),
     ({"prompt": "Hi", "max_tokens": 2, "logprobs": "100000"}, "/v1/completions", 400, "logprobs=100000: at most 20"),
+    ({"prompt": "Hi", "max_tokens": 2, "n": "2"}, "/v1/completions", 400, "n=2: this server answers one choice"),
     ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1 << 63},
      "/v1/chat/completions", 400, "top_logprobs=9223372036854775808: at most 20"),
     ({"prompt": "Hi", "max_tokens": 2, "stop": ["\n", ""]}, "/v1/completions", 400, "an empty stop string"),
