@@ -36,7 +36,7 @@ struct kvbench_params {
     std::vector<int32_t>     n_depth  = { 0 };
     std::vector<std::pair<int32_t, int32_t>> n_pg; // (prompt, gen) pairs, as llama-bench's -pg, beside the -p x -n tests
     int32_t                  reps     = 3;
-    int32_t                  n_threads    = 0;
+    std::vector<int32_t>     n_threads;    // CPU threads, as llama-bench's -t list (empty: the hardware threads)
     int32_t                  n_gpu_layers = 0;
     std::string              rpc;          // RPC servers, as llama-bench's --rpc
     int32_t                  n_ctx    = 0;
@@ -77,6 +77,7 @@ struct kvbench_result {
     int32_t     n_ctx    = 0; // the context it ran in
     ggml_type   type_k   = GGML_TYPE_F16; // its KV cache types
     ggml_type   type_v   = GGML_TYPE_F16;
+    int32_t     n_threads = 0; // the CPU threads it ran with
 
     std::vector<double> pp_ts; // prefill tokens/s, one per repetition
     std::vector<double> tg_ts; // decode tokens/s, one per repetition
@@ -146,6 +147,7 @@ struct kvbench_test {
     int32_t   n_gen;
     ggml_type type_k;
     ggml_type type_v;
+    int32_t   n_threads;
 };
 
 // the KV cache types llama.cpp's tools take by name (common/arg.cpp's list)
@@ -213,7 +215,9 @@ static void kvbench_usage(const char * argv0) {
     printf("  -d, --n-depth N[,N..]     tokens already in the context before the prompt (default: 0)\n");
     printf("                            a fractional budget is a fraction of depth + prompt\n");
     printf("  -r, --repetitions N       repetitions of each test (default: 3)\n");
-    printf("  -t, --threads N           CPU threads (default: the hardware threads of the machine)\n");
+    printf("  -t, --threads N[,N..]     CPU threads (default: the hardware threads of the machine); with a list, each is a\n");
+    printf("                            test of its own, its ratios against the full cache at the same threads (JSON: the\n");
+    printf("                            run's n_threads is the first, each row has its own)\n");
     printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
     printf("  -rpc, --rpc SERVERS       RPC servers (host:port[,host:port..], started with `pykvcache rpc-server`) whose\n");
     printf("                            devices take the offloaded layers and their KV caches (with -ngl)\n");
@@ -318,10 +322,13 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "-r" || arg == "--repetitions") {
             params.reps = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-t" || arg == "--threads") {
-            params.n_threads = kvp_tool_parse_int(arg, value(), 1);
-            if (params.n_threads > GGML_MAX_N_THREADS) {
-                throw std::invalid_argument(arg + ": at most " + std::to_string(GGML_MAX_N_THREADS) + " threads (got " + std::to_string(params.n_threads) + ")");
+            const auto n = kvp_tool_parse_list(arg, value(), 1);
+            for (int32_t x : n) {
+                if (x > GGML_MAX_N_THREADS) {
+                    throw std::invalid_argument(arg + ": at most " + std::to_string(GGML_MAX_N_THREADS) + " threads (got " + std::to_string(x) + ")");
+                }
             }
+            add("-t", params.n_threads, n);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-rpc" || arg == "--rpc") {
@@ -726,7 +733,8 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         }
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
-            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v) ? &x : l;
+            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v &&
+                 x.n_threads == row.n_threads) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -738,6 +746,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
             l->n_depth  = row.limit_depth;
             l->type_k   = row.type_k;
             l->type_v   = row.type_v;
+            l->n_threads = row.n_threads;
         }
         l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
         l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
@@ -791,10 +800,10 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     const bool lim = !r.lim_tg_ts.empty();
     const bool mem = !r.kv_layer_bytes.empty();
     printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,"
-           " \"type_k\": \"%s\", \"type_v\": \"%s\",%s",
+           " \"type_k\": \"%s\", \"type_v\": \"%s\", \"n_threads\": %d,%s",
             head.c_str(), kvp_tool_json_str(r.policy).c_str(), kvp_tool_json_str(r.label).c_str(), kvp_tool_json_str(r.spec).c_str(),
             r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(),
-            ggml_type_name(r.type_k), ggml_type_name(r.type_v), sep);
+            ggml_type_name(r.type_k), ggml_type_name(r.type_v), r.n_threads, sep);
     printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
             kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
             kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
@@ -844,12 +853,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"n_ubatch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps,
+            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps,
             params.n_batch, kvbench_n_ubatch(params), params.seed,
             kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvp_tool_json_str(model).c_str(), params.n_threads, params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps);
+                kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps);
         printf("  \"n_batch\": %d,\n  \"n_ubatch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch,
                 kvbench_n_ubatch(params), params.seed,
                 kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
@@ -877,14 +886,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -898,17 +907,29 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
                     kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
                     kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "").c_str(),
-                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str());
+                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(), r.n_threads);
         }
         return;
     }
-    // with other KV cache types than f16 (-ctk / -ctv), a row's label says its types
-    const bool typed = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
-    auto label = [typed](const kvbench_result & r) {
-        return typed ? r.label + " [" + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]" : r.label;
+    // with other KV cache types than f16 (-ctk / -ctv), a row's label says its types; with several -t, its threads
+    const bool typed   = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
+    const bool threads = params.n_threads.size() > 1;
+    auto label = [typed, threads](const kvbench_result & r) {
+        std::string res = r.label;
+        if (typed) {
+            res += std::string(" [") + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]";
+        }
+        if (threads) {
+            res += " [t=" + std::to_string(r.n_threads) + "]";
+        }
+        return res;
     };
-    printf("kvbench: %s, %d threads, n_batch %d, n_ubatch %d, flash attention %s, %d repetitions, tokens: %s\n\n",
-            params.model_desc.c_str(), params.n_threads, params.n_batch, kvbench_n_ubatch(params),
+    std::string n_threads;
+    for (int32_t t : params.n_threads) {
+        n_threads += (n_threads.empty() ? "" : ",") + std::to_string(t);
+    }
+    printf("kvbench: %s, %s threads, n_batch %d, n_ubatch %d, flash attention %s, %d repetitions, tokens: %s\n\n",
+            params.model_desc.c_str(), n_threads.c_str(), params.n_batch, kvbench_n_ubatch(params),
             llama_flash_attn_type_name(params.flash_attn), params.reps,
             params.text_file.empty() ? "random" : params.text_file.c_str());
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
@@ -1012,8 +1033,8 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
     cparams.n_batch  = params.n_batch;
     cparams.n_ubatch = kvbench_n_ubatch(params);
     cparams.flash_attn_type = params.flash_attn;
-    cparams.n_threads       = params.n_threads;
-    cparams.n_threads_batch = params.n_threads;
+    cparams.n_threads       = t.n_threads;
+    cparams.n_threads_batch = t.n_threads;
     cparams.type_k          = t.type_k;
     cparams.type_v          = t.type_v;
     if (!kvbench_is_full(pol) && llama_kvp_set_pending(&pol) != 0) {
@@ -1042,9 +1063,9 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "kvbench: %s\n", e.what());
         return 1;
     }
-    if (params.n_threads == 0) {
+    if (params.n_threads.empty()) {
         // the machine's hardware threads (llama.h's default of 4 oversubscribes small machines)
-        params.n_threads = (int32_t) std::max(1u, std::thread::hardware_concurrency());
+        params.n_threads = { (int32_t) std::max(1u, std::thread::hardware_concurrency()) };
     }
     if (params.policies.empty()) {
         params.policies = { "full", "sink_recent", "snapkv:budget=0.25", "h2o:budget=0.25", "pyramid:budget=0.25", "entropy:budget=0.25" };
@@ -1116,9 +1137,9 @@ int main(int argc, char ** argv) {
     int32_t n_need = 0;
     const size_t n_tests_max = 100000;
     const double n_tests = (double) params.n_depth.size()*(params.n_prompt.size()*params.n_gen.size() + params.n_pg.size())*
-                           params.type_k.size()*params.type_v.size(); // at most: before -pg pairs among -p x -n are dropped
+                           params.type_k.size()*params.type_v.size()*params.n_threads.size(); // at most: -pg pairs among -p x -n run once
     if (n_tests > n_tests_max) {
-        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv), more than %zu\n", n_tests, n_tests_max);
+        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv x -t), more than %zu\n", n_tests, n_tests_max);
         llama_model_free(model);
         return 1;
     }
@@ -1152,7 +1173,9 @@ int main(int argc, char ** argv) {
             }
             for (ggml_type tk : params.type_k) {
                 for (ggml_type tv : params.type_v) {
-                    tests.push_back({ d, p, g, tk, tv });
+                    for (int32_t nt : params.n_threads) {
+                        tests.push_back({ d, p, g, tk, tv, nt });
+                    }
                 }
             }
             n_need = std::max(n_need, d + p + g);
@@ -1243,6 +1266,7 @@ int main(int argc, char ** argv) {
             r.n_ctx    = (int32_t) cparams.n_ctx;
             r.type_k   = t.type_k;
             r.type_v   = t.type_v;
+            r.n_threads = t.n_threads;
             try {
                 kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
                 results.push_back(std::move(r));
@@ -1277,7 +1301,7 @@ int main(int argc, char ** argv) {
     for (auto & r : results) {
         for (const auto & f : results) {
             if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth ||
-                f.type_k != r.type_k || f.type_v != r.type_v) {
+                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads) {
                 continue;
             }
             double a, b, sd;

@@ -95,7 +95,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert "| policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
     assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
-    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg")
+    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])
@@ -128,7 +128,8 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-p", "1,2,"], "-p: expected integers >= 0 or ranges"),
     (["-p", "1- 5"], "-p: expected integers >= 0 or ranges"),
     (["-p", "-0-3"], "-p: expected integers >= 0 or ranges"),
-    (["-t", "2-2"], "-t: expected an integer >= 1, got '2-2'"),
+    (["-r", "2-2"], "-r: expected an integer >= 1, got '2-2'"),
+    (["-t", "0,1"], "-t: expected integers >= 1"),
     (["-d", "0-4095", "-p", "0-4095", "-n", "1-2"], "more than 100000"),
     (["-fa", "maybe"], "-fa: expected on, off or auto"),
 ])
@@ -190,20 +191,27 @@ def test_kvbench_sizes_each_test_as_llama_bench(model_path):
 
 def test_kvbench_takes_llama_bench_ranges_pairs_ubatch_and_flash_attn_auto(model_path):
     """llama-bench's int ranges (first-last+step, first-last*factor), -pg pairs beside the -p x -n tests (a pair
-    already among them runs once), -ub apart from -b and -fa auto (llama.cpp's choice; on for the CPU), here with a
-    retention policy."""
-    p = kvbench("-p", "16-32+16", "-n", "1-2*2", "-pg", "16,2", "-pg", "32,0", "-r", "1", "-t", "1",
+    already among them runs once), a list of threads, -ub apart from -b and -fa auto (llama.cpp's choice; on for the
+    CPU), here with a retention policy."""
+    p = kvbench("-p", "16-32+16", "-n", "1-2*2", "-pg", "16,2", "-pg", "32,0", "-r", "1", "-t", "1-2",
                 "-fa", "auto", "--no-limit", "-o", "json", "--policy", "h2o:budget=16,n_recent=8,chunk=16",
                 model_path=model_path)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["flash_attn"] == "auto"
-    tests = [(r["n_depth"], r["n_prompt"], r["n_gen"]) for r in doc["results"] if r["label"] == "full"]
-    assert tests == [(0, 16, 1), (0, 16, 2), (0, 32, 1), (0, 32, 2), (0, 32, 0)], tests
+    tests = [(r["n_depth"], r["n_prompt"], r["n_gen"], r["n_threads"]) for r in doc["results"] if r["label"] == "full"]
+    assert tests == [(0, pp, tg, t) for pp, tg in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 0)) for t in (1, 2)], tests
+    # each row's ratios are against the full cache of its own test, threads included
+    full = {(r["n_prompt"], r["n_gen"], r["n_threads"]): r for r in doc["results"] if r["label"] == "full"}
+    for r in doc["results"]:
+        f = full[(r["n_prompt"], r["n_gen"], r["n_threads"])]
+        if r["n_prompt"] > 0:
+            assert r["pp_ratio"] == pytest.approx(r["pp_ts"] / f["pp_ts"], rel=1e-3)
     assert doc["n_batch"] == doc["n_ubatch"] == 512
     md = kvbench("-p", "16", "-n", "2", "-r", "1", "-t", "1", "-fa", "auto", "-b", "64", "-ub", "16", "--no-limit",
                  "--policy", "full", model_path=model_path)
     assert md.returncode == 0 and "n_batch 64, n_ubatch 16, flash attention auto" in md.stdout.splitlines()[0]
+    assert doc["n_threads"] == 1  # the run's: the first of the list
 
 
 def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):
