@@ -369,6 +369,9 @@ bool llama_kvp_check_out(const void * out);                           // an outp
 llama_kvp_memory * llama_kvp_mem(llama_context * ctx);                // the per-layer memory of a retention policy
 bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv); // a KV layer of that memory
 
+// that memory, where the policy's fate stage is `fate` (else the error `err`)
+llama_kvp_memory * llama_kvp_mem_with_fate(llama_context * ctx, int32_t fate, const char * err);
+
 //
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)
 //

@@ -64,6 +64,18 @@ bool llama_kvp_check_layer(const llama_kvp_memory * mem, int32_t ikv) {
     return true;
 }
 
+llama_kvp_memory * llama_kvp_mem_with_fate(llama_context * ctx, int32_t fate, const char * err) {
+    if (!llama_kvp_check_ctx(ctx)) {
+        return nullptr;
+    }
+    llama_kvp_memory * mem = llama_kvp_mem(ctx);
+    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != fate) {
+        llama_kvp_set_error(err);
+        return nullptr;
+    }
+    return mem;
+}
+
 static llama_kvp_context * llama_kvp_obs_ctx(llama_context * ctx) {
     if (!llama_kvp_check_ctx(ctx)) {
         return nullptr;
@@ -470,6 +482,9 @@ int32_t llama_kvp_seq_select(struct llama_context * ctx, int32_t seq_id) {
         llama_kvp_set_error("seq_select: sequence id " + std::to_string(seq_id) + " is out of range: this context holds " +
                 std::to_string(mem->n_seq()) + " sequences (n_seq_max)");
         return -1;
+    }
+    if (mem->seq_cur == seq_id) {
+        return 0; // already the current one: nothing to swap, nor to wait for (a Llama selects its own at every eval)
     }
     ctx->synchronize();
     mem->seq_use(seq_id);

@@ -30,18 +30,24 @@ class HostFate(Stage):
     @classmethod
     def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
         """The host tier's token counts and moves, for the server's KV stats."""
-        h = read_telemetry(llm)
-        return {k: getattr(h, k) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict", "n_dropped",
-                                           "n_rerank")}
+        out = _read_stats(llm)  # the counts alone, not each layer's positions
+        return {k: int(getattr(out, k)) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict", "n_dropped",
+                                                  "n_rerank")}
+
+
+def _read_stats(llm: "Llama") -> Any:
+    ffi, lib = native()
+    out = ffi.new("struct llama_kvp_host_stats *")
+    if lib.llama_kvp_host(llm._native_ctx(), out) != 0:
+        raise PolicyError(last_error())
+    return out
 
 
 def read_telemetry(llm: "Llama") -> HostTelemetry:
     """Host tier telemetry of a context: tokens and bytes, freeze/thaw counts, and each layer's positions' state."""
+    out = _read_stats(llm)
     ffi, lib = native()
     ctx = llm._native_ctx()
-    out = ffi.new("struct llama_kvp_host_stats *")
-    if lib.llama_kvp_host(ctx, out) != 0:
-        raise PolicyError(last_error())
     layers = llm.kv_stats().layers
     per_layer = []
     for s, layer in enumerate(layers):

@@ -38,17 +38,26 @@ class SummariseFate(Stage):
     @classmethod
     def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
         """The bins, centroids and fit error so far, for the server's KV stats."""
-        sm = read_telemetry(llm)
-        return {k: getattr(sm, k) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback", "n_dropped", "fit_err")}
+        out = _read_stats(llm)  # the counts alone, not each layer's positions
+        res: Dict[str, Any] = {k: int(getattr(out, k)) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback",
+                                                                 "n_dropped")}
+        res["fit_err"] = float(out.fit_err)
+        return res
+
+
+def _read_stats(llm: "Llama") -> Any:
+    ffi, lib = native()
+    out = ffi.new("struct llama_kvp_summary_stats *")
+    if lib.llama_kvp_summary(llm._native_ctx(), out) != 0:
+        raise PolicyError(last_error())
+    return out
 
 
 def read_telemetry(llm: "Llama") -> SummaryTelemetry:
     """Summarise telemetry of a context: bins, centroids, fit errors, per layer x position kept/summarised/dropped."""
+    out = _read_stats(llm)
     ffi, lib = native()
     ctx = llm._native_ctx()
-    out = ffi.new("struct llama_kvp_summary_stats *")
-    if lib.llama_kvp_summary(ctx, out) != 0:
-        raise PolicyError(last_error())
     layers = llm.kv_stats().layers
 
     def positions(fn: Any, s: int) -> np.ndarray:

@@ -427,15 +427,7 @@ const llama_kvp_stage * llama_kvp_stage_fate_host() {
 //
 
 llama_kvp_memory * llama_kvp_host_mem(struct llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return nullptr;
-    }
-    llama_kvp_memory * mem = llama_kvp_mem(ctx);
-    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_HOST) {
-        llama_kvp_set_error("the context's policy has no host tier (fate stage 'host')");
-        return nullptr;
-    }
-    return mem;
+    return llama_kvp_mem_with_fate(ctx, LLAMA_KVP_FATE_HOST, "the context's policy has no host tier (fate stage 'host')");
 }
 
 int32_t llama_kvp_host(struct llama_context * ctx, struct llama_kvp_host_stats * out) {

@@ -1206,15 +1206,7 @@ static bool llama_kvp_summarise_layer_stats(const llama_kvp_memory & mem, int32_
 //
 
 static llama_kvp_memory * llama_kvp_summarising_mem(struct llama_context * ctx) {
-    if (!llama_kvp_check_ctx(ctx)) {
-        return nullptr;
-    }
-    llama_kvp_memory * mem = llama_kvp_mem(ctx);
-    if (!mem || mem->policy.stage[LLAMA_KVP_SLOT_FATE] != LLAMA_KVP_FATE_SUMMARISE) {
-        llama_kvp_set_error("the context's policy does not summarise (fate stage 'summarise')");
-        return nullptr;
-    }
-    return mem;
+    return llama_kvp_mem_with_fate(ctx, LLAMA_KVP_FATE_SUMMARISE, "the context's policy does not summarise (fate stage 'summarise')");
 }
 
 int32_t llama_kvp_summary(struct llama_context * ctx, struct llama_kvp_summary_stats * out) {

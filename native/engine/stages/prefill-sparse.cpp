@@ -56,7 +56,10 @@ static llama_kvp_sparse_state * llama_kvp_sparse_state_of(const llama_kvp_contex
 }
 
 static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
-static void llama_kvp_sparse_graph_begin(llama_kvp_context * st);
+// the graph input of the graph built on this thread (made by its first sparse layer; graph_begin forgets it)
+class llama_kvp_sparse_input;
+static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
+
 static ggml_tensor * llama_kvp_sparse_graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
         ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
 
@@ -140,7 +143,8 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     }
 
     void graph_begin(llama_kvp_context * st) const override {
-        llama_kvp_sparse_graph_begin(st);
+        (void) st;
+        g_sp_inp = nullptr;
     }
 
     ggml_tensor * graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q, ggml_tensor * k,
@@ -328,14 +332,6 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
 //
 // graph hook
 //
-
-// the graph input of the graph built on this thread (made by its first sparse layer)
-static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
-
-static void llama_kvp_sparse_graph_begin(llama_kvp_context * st) {
-    (void) st;
-    g_sp_inp = nullptr;
-}
 
 // the buffer holding the layer's K (a view of the cache has none of its own while the graph is built)
 static ggml_backend_buffer_t llama_kvp_sparse_k_buffer(const ggml_tensor * k) {
