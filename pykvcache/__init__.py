@@ -34,6 +34,7 @@ from .stages import (
 from .recovery import RecoveryEvent
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
+from .threads import ConcurrentUseError
 
 __version__ = "0.1.0"
 
@@ -70,6 +71,7 @@ __all__ = [
     "SparsePrefill",
     "PolicyError",
     "NativeLibraryError",
+    "ConcurrentUseError",
     "parse_policy",
     "policy_help",
     "default_model_path",

@@ -21,6 +21,7 @@ from .recovery import RecoveryEvent, ladder_of
 from .stages import fate_host, fate_summarise, prefill_sparse, schedule_freeze
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
+from .threads import ConcurrentUseError, Exclusive, exclusive
 
 llama_cpp = import_llama_cpp()
 
@@ -77,6 +78,7 @@ class Llama(llama_cpp.Llama):
         if kv_reuse not in ("exact", "continue"):
             raise ValueError(f"kv_reuse must be 'exact' or 'continue', not {kv_reuse!r}")
         self._kv_reuse = kv_reuse
+        self._exclusive = Exclusive()  # the thread running a call now (pykvcache/threads.py)
         policy = as_policy(kv_policy)
         if policy is not None and policy.spec() == "none":
             policy = None  # FullCache() is llama.cpp's own cache, as kv_policy=None
@@ -136,6 +138,7 @@ class Llama(llama_cpp.Llama):
             # cut follow them (a longer prompt failed in llama_decode, a generation past them too)
             self._n_ctx = super().n_ctx() // n_seq_max
 
+    @exclusive
     def close(self) -> None:
         """Explicitly free the model from memory (also after a failed construction)."""
         if "_stack" in self.__dict__:
@@ -154,6 +157,7 @@ class Llama(llama_cpp.Llama):
         return dict(super().__getstate__(), kv_policy=self._kv_policy.spec() if self._kv_policy is not None else None,
                     kv_reuse=self._kv_reuse, rpc_servers=self._rpc_servers, n_seq_max=self._n_seq_max)
 
+    @exclusive
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         # llama_cpp names the whole context's size where a prompt does not fit; with several sequences, a sequence's
         # n_ctx/n_seq_max positions are the limit
@@ -190,11 +194,13 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         return super().pooling_type()
 
+    @exclusive
     def embed(self, *args: Any, **kwargs: Any) -> Any:
         """Embeddings of text (llama_cpp.Llama.embed)."""
         self._check_open()
         return super().embed(*args, **kwargs)
 
+    @exclusive
     def sample(self, *args: Any, **kwargs: Any) -> int:
         """Sample the next token (llama_cpp.Llama.sample); an invalid grammar is an error, not a crash."""
         self._check_open()
@@ -202,17 +208,20 @@ class Llama(llama_cpp.Llama):
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
         return super().sample(*args, **kwargs)
 
+    @exclusive
     def create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Any:
         """Complete a prompt (llama_cpp.Llama.create_completion); an invalid grammar is an error, not a crash."""
         self._check_open()
         check_grammar(self, _argument("create_completion", (prompt,) + args, kwargs, "grammar"))
         return super().create_completion(prompt, *args, **kwargs)
 
+    @exclusive
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
         """Answer chat messages (llama_cpp.Llama.create_chat_completion; its grammar is checked by create_completion)."""
         self._check_open()
         return super().create_chat_completion(*args, **kwargs)
 
+    @exclusive
     def create_embedding(self, *args: Any, **kwargs: Any) -> Any:
         """Embed text (llama_cpp.Llama.create_embedding)."""
         self._check_open()
@@ -229,11 +238,13 @@ class Llama(llama_cpp.Llama):
         check_token_ids(tokens, self.n_vocab())
         return super().detokenize(tokens, *args, **kwargs)
 
+    @exclusive
     def save_state(self) -> "llama_cpp.llama.LlamaState":
         """The context's state, KV policy state included (llama_cpp.Llama.save_state)."""
         self._check_open()
         return super().save_state()
 
+    @exclusive
     def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
         """Restore a state from `save_state` (llama_cpp.Llama.load_state).
 
@@ -276,6 +287,7 @@ class Llama(llama_cpp.Llama):
         if self._n_seq_max > 1 and self._kv_policy is not None and self._kv_policy.retains:
             native()[1].llama_kvp_seq_select(self._native_ctx(), self._own_seq)
 
+    @exclusive
     def native_policy(self) -> Policy:
         """The policy as the native context holds it."""
         ffi, lib = native()
@@ -284,6 +296,7 @@ class Llama(llama_cpp.Llama):
             raise PolicyError(last_error())
         return from_native(p)
 
+    @exclusive
     def kv_stats(self) -> KVStats:
         """KV-cache memory per layer and in total, read from the real ggml buffers.
 
@@ -301,6 +314,7 @@ class Llama(llama_cpp.Llama):
             for s in buf[0:n]
         ])
 
+    @exclusive
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         self._check_open()
@@ -388,6 +402,7 @@ class Llama(llama_cpp.Llama):
             self.n_tokens += len(batch)
         return tokens[n_head:]
 
+    @exclusive
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
         """Generate tokens (llama_cpp.Llama.generate), reusing a pruned cache's prefix only where exact.
 
@@ -413,14 +428,25 @@ class Llama(llama_cpp.Llama):
         ladder = ladder_of(self)
         owner = object()
         self._gen_owner, self._gen_evals = owner, 0
+        inner = super().generate(tokens, *args, **kwargs) if ladder is None else ladder.generate(tokens, args, kwargs)
         try:
-            if ladder is None:
-                return (yield from super().generate(tokens, *args, **kwargs))
-            return (yield from ladder.generate(tokens, args, kwargs))
+            item = next(inner)
+            while True:
+                sent = yield item
+                if self._gen_owner is not owner:
+                    # another generation ran in between: the cache and the token record are its now
+                    raise ConcurrentUseError("this generation was interrupted by another one on the same Llama, which "
+                                             "replaced its tokens in the cache; a Llama runs one generation at a time "
+                                             "(finish or close a stream before starting the next)")
+                item = inner.send(sent)
+        except StopIteration as stop:
+            return stop.value
         finally:
+            inner.close()
             if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
                 self._gen_owner, self._gen_evals = None, -1
 
+    @exclusive
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> List[List[int]]:
         """Greedy continuations of several token prompts decoded together, one sequence each (up to n_seq_max)."""
         self._check_open()
@@ -439,12 +465,14 @@ class Llama(llama_cpp.Llama):
             raise RuntimeError(last_error())
         self.n_tokens = n
 
+    @exclusive
     def kv_observe_next(self) -> None:
         """Make the next single-token decode step observe attention, whatever the policy's `every` says."""
         _, lib = native()
         if lib.llama_kvp_obs_request(self._native_ctx()) != 0:
             raise PolicyError(last_error())
 
+    @exclusive
     def kv_memory(self) -> KVMemory:
         """KV memory now and at its peak, with the per-layer budgets of a policy.
 
@@ -468,6 +496,7 @@ class Llama(llama_cpp.Llama):
                         layers=budgets, host_bytes=int(info.host_bytes), host_bytes_peak=int(info.host_bytes_peak),
                         n_active=int(info.n_active), seq=int(info.seq))
 
+    @exclusive
     def kv_perf(self) -> KVPerf:
         """Host time the policy spent around llama.cpp's graphs since the context was created or kv_perf_reset()."""
         ffi, lib = native()
@@ -477,12 +506,14 @@ class Llama(llama_cpp.Llama):
         return KVPerf(t_prepare_ms=float(out.t_prepare_ms), t_slot_ms=float(out.t_slot_ms),
                       t_input_ms=float(out.t_input_ms), t_settle_ms=float(out.t_settle_ms), n_ubatch=int(out.n_ubatch))
 
+    @exclusive
     def kv_perf_reset(self) -> None:
         """Starts kv_perf()'s totals again from zero."""
         _, lib = native()
         if lib.llama_kvp_perf_reset(self._native_ctx()) != 0:
             raise PolicyError(last_error())
 
+    @exclusive
     def kv_retained(self) -> np.ndarray:
         """Positions each KV layer holds now: a bool array [n_layer, n_tokens] (True: retained, False: evicted).
 
@@ -505,14 +536,17 @@ class Llama(llama_cpp.Llama):
             res[s, pos] = True
         return res
 
+    @exclusive
     def kv_sparse(self) -> SparseTelemetry:
         """Sparse prefill telemetry: Rigid/Dynamic heads, budgets per segment, density per layer."""
         return prefill_sparse.read_telemetry(self)
 
+    @exclusive
     def kv_summary(self) -> SummaryTelemetry:
         """Summarise fate telemetry: bins, centroids, fit errors, and per layer x position kept/summarised/dropped."""
         return fate_summarise.read_telemetry(self)
 
+    @exclusive
     def kv_host(self) -> HostTelemetry:
         """Host tier telemetry: tokens and bytes, freeze/thaw counts, and the state of each layer's positions.
 
@@ -520,6 +554,7 @@ class Llama(llama_cpp.Llama):
         active/frozen/cold/dropped."""
         return fate_host.read_telemetry(self)
 
+    @exclusive
     def kv_recovery_events(self) -> List[RecoveryEvent]:
         """Events of the freeze schedule's recovery ladder so far.
 
@@ -527,6 +562,7 @@ class Llama(llama_cpp.Llama):
         entropy that set it off."""
         return schedule_freeze.read_recovery_events(self)
 
+    @exclusive
     def kv_thaw_all(self) -> int:
         """Move every token of the host tier back into the layer caches (as far as their budgets allow).
 
@@ -537,6 +573,7 @@ class Llama(llama_cpp.Llama):
             raise PolicyError(last_error())
         return int(n)
 
+    @exclusive
     def kv_cell_bytes(self, layer: int, pos: int) -> Optional[Tuple[bytes, bytes]]:
         """Raw K and V bytes the cache of KV layer `layer` holds for position `pos` (None if it holds none)."""
         ffi, lib = native()
@@ -552,6 +589,7 @@ class Llama(llama_cpp.Llama):
         nk = int(self.kv_stats().layers[layer].k_bytes) // int(self.kv_stats().layers[layer].n_cells)
         return bytes(ffi.buffer(k, nk)), bytes(ffi.buffer(v, int(n) - nk))
 
+    @exclusive
     def kv_layer(self, layer: int) -> KVLayer:
         """K, V (float32), position and mask bias of every cell of KV layer `layer` (the full cache's too)."""
         ffi, lib = native()
@@ -574,6 +612,7 @@ class Llama(llama_cpp.Llama):
                 raise RuntimeError(last_error())
         return KVLayer(pos=pos, bias=bias, k=k.reshape(n, n_kv, -1), v=v.reshape(n, n_kv, -1))
 
+    @exclusive
     def kv_queries(self, layer: int) -> Tuple[np.ndarray, np.ndarray, float]:
         """The post-RoPE queries the observation window holds for KV layer `layer`.
 
@@ -594,6 +633,7 @@ class Llama(llama_cpp.Llama):
         order = np.argsort(pos, kind="stable")
         return pos[order], q[order].reshape(n, n_head, int(row[0]) // n_head), float(scale[0])
 
+    @exclusive
     def kv_query_entropy(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
         """Attention entropy of each token held by KV layer `layer`.
 
@@ -614,6 +654,7 @@ class Llama(llama_cpp.Llama):
         order = np.argsort(pos[held], kind="stable")
         return pos[held][order], ent[held][order]
 
+    @exclusive
     def kv_telemetry(self, per_head: bool = False) -> KVTelemetry:
         """Attention telemetry of the last observation and of the sparse prefill.
 

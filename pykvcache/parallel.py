@@ -17,6 +17,7 @@ import numpy as np
 
 from ._native import native
 from .llama import Llama
+from .threads import Exclusive
 
 
 class Turns:
@@ -147,6 +148,7 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
         v = SequenceView.__new__(SequenceView)
         v.__dict__.update(llm.__dict__)
         v.seq = s
+        v._exclusive = Exclusive()  # views run in threads of their own, taking turns on the context
         v._turns = turns
         v._turn = object()
         v._generating = False

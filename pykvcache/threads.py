@@ -1,0 +1,97 @@
+"""One thread at a time in a `Llama`: a second thread's call while another runs is an error, not a crash.
+
+llama.cpp's context is not thread-safe: two threads decoding in one context abort the process (a GGML_ASSERT in the
+CPU backend) or corrupt the cache, and llama-cpp-python's `Llama` leaves that to its caller. A `Llama` of pykvcache
+marks the thread running one of its methods (nested calls of that thread go on); a call from another thread meanwhile
+raises `ConcurrentUseError`. Only the running steps count: a stream that is paused between two tokens holds nothing,
+so a stream may be consumed from worker threads one token at a time (as web servers do). A generation that another
+one replaced in between is refused when it resumes (`Llama.generate`), so interleaved calls never mix their tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Generator, Optional, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ConcurrentUseError(RuntimeError):
+    """A `Llama` was called from a second thread while another thread's call was running in it."""
+
+
+class Exclusive:
+    """Which thread runs in an object now, with the depth of its nested calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: Optional[int] = None
+        self._depth = 0
+
+    def enter(self, what: str) -> None:
+        """Mark the calling thread as running, or raise ConcurrentUseError if another thread runs."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._thread is not None and self._thread != me:
+                raise ConcurrentUseError(
+                    f"{what}: this Llama is running a call of another thread; a llama.cpp context is not thread-safe, "
+                    "so use one Llama per thread, serialise the calls with a lock, or give concurrent requests "
+                    "sequence views (pykvcache.parallel.sequence_views, as `pykvcache serve --n_parallel` does)")
+            self._thread = me
+            self._depth += 1
+
+    def leave(self) -> None:
+        """End the calling thread's innermost call."""
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._thread = None
+
+
+def _guard(obj: Any) -> Exclusive:
+    # made by the object's constructor; one made or unpickled otherwise gets its own at its first call
+    g = obj.__dict__.get("_exclusive")
+    return g if g is not None else obj.__dict__.setdefault("_exclusive", Exclusive())
+
+
+def exclusive(method: F) -> F:
+    """Run `method` (a generator function: each of its steps) as the only thread in its object."""
+    what = method.__name__
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def steps(self: Any, *args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            guard = _guard(self)
+            inner = method(self, *args, **kwargs)
+            resume: Callable[[], Any] = functools.partial(next, inner)
+            while True:
+                guard.enter(what)
+                try:
+                    item = resume()
+                except StopIteration as stop:
+                    return stop.value
+                finally:
+                    guard.leave()
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    inner.close()  # its cleanup is Python's own; a stream dropped by another thread closes too
+                    raise
+                except BaseException as exc:
+                    resume = functools.partial(inner.throw, exc)
+                else:
+                    resume = functools.partial(inner.send, sent)
+
+        return steps  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = _guard(self)
+        guard.enter(what)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            guard.leave()
+
+    return call  # type: ignore[return-value]

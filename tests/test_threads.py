@@ -1,0 +1,106 @@
+"""One Llama used from several threads: a clear error where llama.cpp would crash, streams that may change threads."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from pykvcache import ConcurrentUseError, Llama
+
+PROMPTS = ["Story one: once upon a time", "Story two: the lighthouse keeper"]
+SPECS = [None, "snapkv:budget=0.5"]
+
+
+def _text(llm: Llama, prompt: str, **kwargs) -> str:
+    return llm(prompt, max_tokens=16, temperature=0, **kwargs)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_second_thread_gets_an_error_while_a_call_runs_and_the_first_finishes_alike(model_path, spec):
+    llm = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy=spec)
+    ref = [_text(llm, p) for p in PROMPTS]
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hold(input_ids, scores):  # runs inside the first thread's sampling: the Llama is busy there
+        inside.set()
+        go_on.wait(60)
+        return scores
+
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(_text(llm, PROMPTS[0], logits_processor=[hold])))
+    t.start()
+    assert inside.wait(60)
+    with pytest.raises(ConcurrentUseError, match="another thread"):
+        _text(llm, PROMPTS[1])
+    with pytest.raises(ConcurrentUseError):
+        llm.kv_memory()
+    go_on.set()
+    t.join(60)
+    assert first == [ref[0]]  # the refused call left the running one alone
+    assert _text(llm, PROMPTS[1]) == ref[1]
+    llm.close()
+
+
+def test_a_stream_consumed_from_changing_threads_gives_its_text(model_path):
+    llm = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+    ref = _text(llm, PROMPTS[0])
+    stream = llm(PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    parts: list = []
+
+    def step() -> None:
+        for chunk in stream:
+            parts.append(chunk["choices"][0]["text"])
+            return
+
+    for _ in range(40):  # a web server's worker threads take turns on one stream
+        t = threading.Thread(target=step)
+        t.start()
+        t.join(60)
+    assert "".join(parts) == ref
+    llm.close()
+
+
+def test_a_stream_interrupted_by_another_generation_is_refused_when_it_resumes(model_path):
+    llm = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+    ref = [_text(llm, p) for p in PROMPTS]
+    first = llm(PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    next(first)
+    assert _text(llm, PROMPTS[1]) == ref[1]
+    with pytest.raises(ConcurrentUseError, match="interrupted by another one"):
+        next(first)
+    assert _text(llm, PROMPTS[0]) == ref[0]
+    llm.close()
+
+
+def test_two_threads_hammering_one_llama_never_crash_the_process(model_path, tmp_path):
+    # llama.cpp aborts the process (GGML_ASSERT) when two threads decode in one context: run it in a child
+    script = tmp_path / "hammer.py"
+    script.write_text(textwrap.dedent(f"""
+        import threading
+        from pykvcache import ConcurrentUseError, Llama
+        llm = Llama({model_path!r}, n_ctx=512, n_threads=1, verbose=False)
+        prompts = {PROMPTS!r}
+        ref = [llm(p, max_tokens=16, temperature=0)["choices"][0]["text"] for p in prompts]
+        res = []
+        def run(i):
+            for _ in range(4):
+                try:
+                    res.append(llm(prompts[i], max_tokens=16, temperature=0)["choices"][0]["text"] == ref[i])
+                except ConcurrentUseError:
+                    res.append("refused")
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print("RESULTS", sorted(map(str, res)))
+        print("AFTER", llm(prompts[0], max_tokens=16, temperature=0)["choices"][0]["text"] == ref[0])
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = ast.literal_eval(out.stdout.split("RESULTS", 1)[1].splitlines()[0])
+    assert len(results) == 8 and set(results) <= {"True", "refused"}, results  # every answer right or refused
+    assert "AFTER True" in out.stdout
