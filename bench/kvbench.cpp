@@ -44,7 +44,7 @@ struct kvbench_params {
     int32_t                  n_ubatch = 0;   // 0: n_batch
     std::vector<ggml_type>   type_k   = { GGML_TYPE_F16 }; // KV cache types, as llama-bench's -ctk / -ctv
     std::vector<ggml_type>   type_v   = { GGML_TYPE_F16 };
-    llama_flash_attn_type    flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    std::vector<llama_flash_attn_type> flash_attn = { LLAMA_FLASH_ATTN_TYPE_ENABLED }; // as llama-bench's -fa list
     uint32_t                 seed     = 42;
     std::string              output   = "md";
     bool                     progress = true;
@@ -78,6 +78,7 @@ struct kvbench_result {
     ggml_type   type_k   = GGML_TYPE_F16; // its KV cache types
     ggml_type   type_v   = GGML_TYPE_F16;
     int32_t     n_threads = 0; // the CPU threads it ran with
+    llama_flash_attn_type flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED; // and its flash attention
 
     std::vector<double> pp_ts; // prefill tokens/s, one per repetition
     std::vector<double> tg_ts; // decode tokens/s, one per repetition
@@ -148,6 +149,7 @@ struct kvbench_test {
     ggml_type type_k;
     ggml_type type_v;
     int32_t   n_threads;
+    llama_flash_attn_type flash_attn;
 };
 
 // the KV cache types llama.cpp's tools take by name (common/arg.cpp's list)
@@ -175,6 +177,35 @@ static std::vector<ggml_type> kvbench_parse_types(const std::string & flag, cons
     }
     if (res.empty()) {
         throw std::invalid_argument(flag + ": expected a KV cache type");
+    }
+    return res;
+}
+
+// flash attention in the JSON: true, false or "auto"
+static const char * kvbench_fa_json(llama_flash_attn_type fa) {
+    return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "\"auto\"" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "true" : "false";
+}
+
+// flash attention as -fa takes it: on, off or auto (md and CSV)
+static const char * kvbench_fa_name(llama_flash_attn_type fa) {
+    return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "auto" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "on" : "off";
+}
+
+// flash attention values, as llama-bench's -fa list: on/1, off/0, auto/-1
+static std::vector<llama_flash_attn_type> kvbench_parse_fa(const std::string & flag, const std::string & s) {
+    std::vector<llama_flash_attn_type> res;
+    std::stringstream ss(s + ",");
+    std::string v;
+    while (std::getline(ss, v, ',')) {
+        if (v == "on" || v == "1") {
+            res.push_back(LLAMA_FLASH_ATTN_TYPE_ENABLED);
+        } else if (v == "off" || v == "0") {
+            res.push_back(LLAMA_FLASH_ATTN_TYPE_DISABLED);
+        } else if (v == "auto" || v == "-1") {
+            res.push_back(LLAMA_FLASH_ATTN_TYPE_AUTO);
+        } else {
+            throw std::invalid_argument(flag + ": expected on, off or auto (or a comma-separated list of them), got '" + s + "'");
+        }
     }
     return res;
 }
@@ -231,8 +262,10 @@ static void kvbench_usage(const char * argv0) {
     printf("                            (default: f16); with lists, each type is a test of its own, its ratios against\n");
     printf("                            the full cache of the same types\n");
     printf("  -ctv, --cache-type-v T[,T..]  KV cache type of V (default: f16; a quantized V needs flash attention)\n");
-    printf("  -fa, --flash-attn on|off|auto\n");
-    printf("                            flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU)\n");
+    printf("  -fa, --flash-attn on|off|auto[,..]\n");
+    printf("                            flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU);\n");
+    printf("                            with a list (-fa off,on), each is a test of its own, its ratios against the full\n");
+    printf("                            cache with the same flash attention (JSON: the run's flash_attn is the first)\n");
     printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
@@ -345,16 +378,7 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
         } else if (arg == "-ub" || arg == "--ubatch-size") {
             params.n_ubatch = kvp_tool_parse_int(arg, value(), 1);
         } else if (arg == "-fa" || arg == "--flash-attn") {
-            const std::string v = value();
-            if (v == "on" || v == "1") {
-                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-            } else if (v == "off" || v == "0") {
-                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-            } else if (v == "auto" || v == "-1") {
-                params.flash_attn = LLAMA_FLASH_ATTN_TYPE_AUTO;
-            } else {
-                throw std::invalid_argument(arg + ": expected on, off or auto, got '" + v + "'");
-            }
+            add("-fa", params.flash_attn, kvbench_parse_fa(arg, value()));
         } else if (arg == "-f" || arg == "--file") {
             params.text_file = value();
         } else if (arg == "-s" || arg == "--seed") {
@@ -734,7 +758,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
             l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v &&
-                 x.n_threads == row.n_threads) ? &x : l;
+                 x.n_threads == row.n_threads && x.flash_attn == row.flash_attn) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -747,6 +771,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
             l->type_k   = row.type_k;
             l->type_v   = row.type_v;
             l->n_threads = row.n_threads;
+            l->flash_attn = row.flash_attn;
         }
         l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
         l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
@@ -800,10 +825,10 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     const bool lim = !r.lim_tg_ts.empty();
     const bool mem = !r.kv_layer_bytes.empty();
     printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,"
-           " \"type_k\": \"%s\", \"type_v\": \"%s\", \"n_threads\": %d,%s",
+           " \"type_k\": \"%s\", \"type_v\": \"%s\", \"n_threads\": %d, \"flash_attn\": %s,%s",
             head.c_str(), kvp_tool_json_str(r.policy).c_str(), kvp_tool_json_str(r.label).c_str(), kvp_tool_json_str(r.spec).c_str(),
             r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(),
-            ggml_type_name(r.type_k), ggml_type_name(r.type_v), r.n_threads, sep);
+            ggml_type_name(r.type_k), ggml_type_name(r.type_v), r.n_threads, kvbench_fa_json(r.flash_attn), sep);
     printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
             kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
             kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
@@ -841,11 +866,6 @@ static int32_t kvbench_n_ubatch(const kvbench_params & params) {
     return params.n_ubatch > 0 ? std::min(params.n_ubatch, params.n_batch) : params.n_batch;
 }
 
-// flash attention in the JSON: true, false or "auto"
-static const char * kvbench_fa_json(llama_flash_attn_type fa) {
-    return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "\"auto\"" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "true" : "false";
-}
-
 // limits: the physical limit measurements (full cache at depth B), after the rows
 static void kvbench_print(const kvbench_params & params, const std::string & model, const std::vector<kvbench_result> & results,
                           const std::vector<kvbench_result> & limits) {
@@ -853,12 +873,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"n_ubatch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps,
+            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps,
             params.n_batch, kvbench_n_ubatch(params), params.seed,
             kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn), params.reps);
+                kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps);
         printf("  \"n_batch\": %d,\n  \"n_ubatch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch,
                 kvbench_n_ubatch(params), params.seed,
                 kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
@@ -886,14 +906,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d,%s\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -907,14 +927,16 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
                     kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
                     kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "").c_str(),
-                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(), r.n_threads);
+                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(), r.n_threads,
+                    kvbench_fa_name(r.flash_attn));
         }
         return;
     }
     // with other KV cache types than f16 (-ctk / -ctv), a row's label says its types; with several -t, its threads
     const bool typed   = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
     const bool threads = params.n_threads.size() > 1;
-    auto label = [typed, threads](const kvbench_result & r) {
+    const bool fa      = params.flash_attn.size() > 1;
+    auto label = [typed, threads, fa](const kvbench_result & r) {
         std::string res = r.label;
         if (typed) {
             res += std::string(" [") + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]";
@@ -922,15 +944,22 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         if (threads) {
             res += " [t=" + std::to_string(r.n_threads) + "]";
         }
+        if (fa) {
+            res += std::string(" [fa ") + kvbench_fa_name(r.flash_attn) + "]";
+        }
         return res;
     };
     std::string n_threads;
     for (int32_t t : params.n_threads) {
         n_threads += (n_threads.empty() ? "" : ",") + std::to_string(t);
     }
+    std::string fa_names;
+    for (llama_flash_attn_type f : params.flash_attn) {
+        fa_names += (fa_names.empty() ? "" : ",") + std::string(kvbench_fa_name(f));
+    }
     printf("kvbench: %s, %s threads, n_batch %d, n_ubatch %d, flash attention %s, %d repetitions, tokens: %s\n\n",
             params.model_desc.c_str(), n_threads.c_str(), params.n_batch, kvbench_n_ubatch(params),
-            llama_flash_attn_type_name(params.flash_attn), params.reps,
+            fa_names.c_str(), params.reps,
             params.text_file.empty() ? "random" : params.text_file.c_str());
     printf("| policy | p | n | d | pp t/s | tg t/s | KV MiB | peak MiB | KV x | peak x | pp x | tg x | x limit | obs ovh | density |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -1032,7 +1061,7 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
     cparams.n_ctx    = kvbench_n_ctx(params, pol, t);
     cparams.n_batch  = params.n_batch;
     cparams.n_ubatch = kvbench_n_ubatch(params);
-    cparams.flash_attn_type = params.flash_attn;
+    cparams.flash_attn_type = t.flash_attn;
     cparams.n_threads       = t.n_threads;
     cparams.n_threads_batch = t.n_threads;
     cparams.type_k          = t.type_k;
@@ -1137,9 +1166,9 @@ int main(int argc, char ** argv) {
     int32_t n_need = 0;
     const size_t n_tests_max = 100000;
     const double n_tests = (double) params.n_depth.size()*(params.n_prompt.size()*params.n_gen.size() + params.n_pg.size())*
-                           params.type_k.size()*params.type_v.size()*params.n_threads.size(); // at most: -pg pairs among -p x -n run once
+                           params.type_k.size()*params.type_v.size()*params.n_threads.size()*params.flash_attn.size(); // at most: -pg pairs among -p x -n run once
     if (n_tests > n_tests_max) {
-        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv x -t), more than %zu\n", n_tests, n_tests_max);
+        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv x -t x -fa), more than %zu\n", n_tests, n_tests_max);
         llama_model_free(model);
         return 1;
     }
@@ -1174,7 +1203,9 @@ int main(int argc, char ** argv) {
             for (ggml_type tk : params.type_k) {
                 for (ggml_type tv : params.type_v) {
                     for (int32_t nt : params.n_threads) {
-                        tests.push_back({ d, p, g, tk, tv, nt });
+                        for (llama_flash_attn_type fa : params.flash_attn) {
+                            tests.push_back({ d, p, g, tk, tv, nt, fa });
+                        }
                     }
                 }
             }
@@ -1190,14 +1221,15 @@ int main(int argc, char ** argv) {
         // llama_supports_gpu_offload() is true in every build with the RPC backend, servers or not
         fprintf(stderr, "kvbench: warning: no GPU device and no RPC server (-rpc), -ngl %d offloads nothing\n", params.n_gpu_layers);
     }
+    const bool fa_off = std::find(params.flash_attn.begin(), params.flash_attn.end(), LLAMA_FLASH_ATTN_TYPE_DISABLED) != params.flash_attn.end();
     for (ggml_type tv : params.type_v) {
-        if (ggml_is_quantized(tv) && params.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+        if (ggml_is_quantized(tv) && fa_off) {
             fprintf(stderr, "kvbench: -ctv %s: a quantized V cache needs flash attention (-fa on)\n", ggml_type_name(tv));
             llama_model_free(model);
             return 1;
         }
     }
-    if (params.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+    if (fa_off) {
         for (const auto & kp : pols) {
             if (kvbench_describe(kp.pol).sparse) {
                 fprintf(stderr, "kvbench: warning: %s: sparse prefill needs flash attention, with -fa off its prompts run dense\n", kp.label.c_str());
@@ -1267,6 +1299,7 @@ int main(int argc, char ** argv) {
             r.type_k   = t.type_k;
             r.type_v   = t.type_v;
             r.n_threads = t.n_threads;
+            r.flash_attn = t.flash_attn;
             try {
                 kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
                 results.push_back(std::move(r));
@@ -1301,7 +1334,7 @@ int main(int argc, char ** argv) {
     for (auto & r : results) {
         for (const auto & f : results) {
             if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth ||
-                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads) {
+                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads || f.flash_attn != r.flash_attn) {
                 continue;
             }
             double a, b, sd;

@@ -95,7 +95,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert "| policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
     assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
-    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads")
+    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])
@@ -132,6 +132,10 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-t", "0,1"], "-t: expected integers >= 1"),
     (["-d", "0-4095", "-p", "0-4095", "-n", "1-2"], "more than 100000"),
     (["-fa", "maybe"], "-fa: expected on, off or auto"),
+    (["-fa", "on,maybe"], "-fa: expected on, off or auto (or a comma-separated list of them), got 'on,maybe'"),
+    (["-fa", "on,"], "-fa: expected on, off or auto"),
+    (["-fa", "off", "-ctv", "q8_0"], "a quantized V cache needs flash attention"),
+    (["-fa", "on,off", "-ctv", "q8_0"], "a quantized V cache needs flash attention"),
 ])
 def test_kvbench_bad_arguments_fail_with_a_message(args, message):
     p = kvbench(*args)
@@ -212,6 +216,28 @@ def test_kvbench_takes_llama_bench_ranges_pairs_ubatch_and_flash_attn_auto(model
                  "--policy", "full", model_path=model_path)
     assert md.returncode == 0 and "n_batch 64, n_ubatch 16, flash attention auto" in md.stdout.splitlines()[0]
     assert doc["n_threads"] == 1  # the run's: the first of the list
+
+
+def test_kvbench_runs_each_flash_attention_of_a_list_against_the_full_cache_with_it(model_path):
+    """-fa off,on as llama-bench's list: a test per value, each row's ratios and physical limit against the full
+    cache with the same flash attention; the md label and the CSV say which."""
+    args = ("-p", "64", "-n", "4", "-r", "1", "-t", "1", "-fa", "off,on", "--policy", "snapkv:budget=48,chunk=32")
+    doc = json.loads(kvbench(*args, "-o", "json", model_path=model_path).stdout)
+    assert doc["flash_attn"] is False  # the run's: the first of the list
+    rows = {(r["label"], r["flash_attn"]): r for r in doc["results"]}
+    assert sorted(rows) == [("full", False), ("full", True), ("snapkv:budget=48,chunk=32", False),
+                            ("snapkv:budget=48,chunk=32", True)]
+    for fa in (False, True):
+        r, f = rows[("snapkv:budget=48,chunk=32", fa)], rows[("full", fa)]
+        assert r["tg_ratio"] == pytest.approx(r["tg_ts"] / f["tg_ts"], rel=1e-3)
+        assert r["kv_ratio"] == pytest.approx(r["kv_bytes"] / f["kv_bytes"], rel=1e-3)
+    assert sorted(l["flash_attn"] for l in doc["limits"]) == [False, True]
+    assert all(r["tg_limit_ratio"] is not None for (label, _), r in rows.items() if label != "full")
+    md = kvbench(*args, "--no-limit", model_path=model_path).stdout
+    assert "flash attention off,on" in md.splitlines()[0]
+    assert "| snapkv:budget=48,chunk=32 [fa off] |" in md and "| full [fa on] |" in md
+    csv = list(csv_module.reader(kvbench(*args, "--no-limit", "-o", "csv", model_path=model_path).stdout.splitlines()))
+    assert [row[-1] for row in csv[1:]] == ["off", "on", "off", "on"]
 
 
 def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):
