@@ -37,7 +37,7 @@ struct kvbench_params {
     std::vector<std::pair<int32_t, int32_t>> n_pg; // (prompt, gen) pairs, as llama-bench's -pg, beside the -p x -n tests
     int32_t                  reps     = 3;
     std::vector<int32_t>     n_threads;    // CPU threads, as llama-bench's -t list (empty: the hardware threads)
-    int32_t                  n_gpu_layers = 0;
+    std::vector<int32_t>     n_gpu_layers = { 0 }; // as llama-bench's -ngl list: the model loaded once per value
     std::string              rpc;          // RPC servers, as llama-bench's --rpc
     int32_t                  n_ctx    = 0;
     int32_t                  n_batch  = 512;
@@ -79,6 +79,7 @@ struct kvbench_result {
     ggml_type   type_v   = GGML_TYPE_F16;
     int32_t     n_threads = 0; // the CPU threads it ran with
     llama_flash_attn_type flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED; // and its flash attention
+    int32_t     n_gpu_layers = 0; // and the layers offloaded
 
     std::vector<double> pp_ts; // prefill tokens/s, one per repetition
     std::vector<double> tg_ts; // decode tokens/s, one per repetition
@@ -150,6 +151,21 @@ struct kvbench_test {
     ggml_type type_v;
     int32_t   n_threads;
     llama_flash_attn_type flash_attn;
+    int32_t   n_gpu_layers;
+    size_t    i_model; // the model loaded with those layers offloaded
+};
+
+// the model loaded once per -ngl value, freed on every way out
+struct kvbench_models {
+    std::vector<llama_model *> list;
+
+    void free() {
+        for (llama_model * m : list) {
+            llama_model_free(m);
+        }
+        list.clear();
+    }
+    ~kvbench_models() { free(); }
 };
 
 // the KV cache types llama.cpp's tools take by name (common/arg.cpp's list)
@@ -249,7 +265,9 @@ static void kvbench_usage(const char * argv0) {
     printf("  -t, --threads N[,N..]     CPU threads (default: the hardware threads of the machine); with a list, each is a\n");
     printf("                            test of its own, its ratios against the full cache at the same threads (JSON: the\n");
     printf("                            run's n_threads is the first, each row has its own)\n");
-    printf("  -ngl, --n-gpu-layers N    layers offloaded to the GPU (default: 0)\n");
+    printf("  -ngl, --n-gpu-layers N[,N..]  layers offloaded to the GPU (default: 0); with a list, the model is loaded\n");
+    printf("                            once per value and each is a test of its own, its ratios against the full cache\n");
+    printf("                            with the same layers offloaded (JSON: the run's n_gpu_layers is the first)\n");
     printf("  -rpc, --rpc SERVERS       RPC servers (host:port[,host:port..], started with `pykvcache rpc-server`) whose\n");
     printf("                            devices take the offloaded layers and their KV caches (with -ngl)\n");
     printf("  -c, --ctx-size N          context size of every test (default: each test's depth + prompt + gen, raised to a\n");
@@ -363,7 +381,7 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             }
             add("-t", params.n_threads, n);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
-            params.n_gpu_layers = kvp_tool_parse_int(arg, value(), 0);
+            add("-ngl", params.n_gpu_layers, kvp_tool_parse_list(arg, value(), 0));
         } else if (arg == "-rpc" || arg == "--rpc") {
             params.rpc = value();
             kvp_tool_add_rpc_servers(params.rpc); // as llama.cpp's own --rpc: the devices exist before the model loads
@@ -758,7 +776,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
             l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v &&
-                 x.n_threads == row.n_threads && x.flash_attn == row.flash_attn) ? &x : l;
+                 x.n_threads == row.n_threads && x.flash_attn == row.flash_attn && x.n_gpu_layers == row.n_gpu_layers) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -772,6 +790,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
             l->type_v   = row.type_v;
             l->n_threads = row.n_threads;
             l->flash_attn = row.flash_attn;
+            l->n_gpu_layers = row.n_gpu_layers;
         }
         l->tg_ts.insert(l->tg_ts.end(), row.lim_tg_ts.begin(), row.lim_tg_ts.end());
         l->lim_step_t.insert(l->lim_step_t.end(), row.lim_step_t.begin(), row.lim_step_t.end());
@@ -825,10 +844,10 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     const bool lim = !r.lim_tg_ts.empty();
     const bool mem = !r.kv_layer_bytes.empty();
     printf("{%s\"policy\": %s, \"label\": %s, \"spec\": %s, \"n_prompt\": %d, \"n_gen\": %d, \"n_depth\": %d, \"n_ctx\": %s,"
-           " \"type_k\": \"%s\", \"type_v\": \"%s\", \"n_threads\": %d, \"flash_attn\": %s,%s",
+           " \"type_k\": \"%s\", \"type_v\": \"%s\", \"n_threads\": %d, \"flash_attn\": %s, \"n_gpu_layers\": %d,%s",
             head.c_str(), kvp_tool_json_str(r.policy).c_str(), kvp_tool_json_str(r.label).c_str(), kvp_tool_json_str(r.spec).c_str(),
             r.n_prompt, r.n_gen, r.n_depth, kvbench_opt(r.n_ctx > 0, r.n_ctx, "%.0f", "null").c_str(),
-            ggml_type_name(r.type_k), ggml_type_name(r.type_v), r.n_threads, kvbench_fa_json(r.flash_attn), sep);
+            ggml_type_name(r.type_k), ggml_type_name(r.type_v), r.n_threads, kvbench_fa_json(r.flash_attn), r.n_gpu_layers, sep);
     printf("\"pp_ts\": %s, \"pp_ts_sd\": %s, \"pp_samples\": %s, \"tg_ts\": %s, \"tg_ts_sd\": %s, \"tg_samples\": %s,%s",
             kvbench_fig(r.pp_ts, pp, "%.3f", "null").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "null").c_str(),
             kvbench_json_list(r.pp_ts).c_str(), kvbench_fig(r.tg_ts, tg, "%.3f", "null").c_str(),
@@ -873,12 +892,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
     snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"n_ubatch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps,
+            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers[0], rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps,
             params.n_batch, kvbench_n_ubatch(params), params.seed,
             kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
         printf("{\n  \"model\": %s,\n  \"n_threads\": %d,\n  \"n_gpu_layers\": %d,\n  \"rpc\": %s,\n  \"flash_attn\": %s,\n  \"repetitions\": %d,\n",
-                kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers, rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps);
+                kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers[0], rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps);
         printf("  \"n_batch\": %d,\n  \"n_ubatch\": %d,\n  \"seed\": %u,\n  \"tokens\": %s,\n  \"results\": [\n", params.n_batch,
                 kvbench_n_ubatch(params), params.seed,
                 kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
@@ -906,14 +925,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn,n_gpu_layers\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d,%s\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -928,7 +947,7 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
                     kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "").c_str(),
                     kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(), r.n_threads,
-                    kvbench_fa_name(r.flash_attn));
+                    kvbench_fa_name(r.flash_attn), r.n_gpu_layers);
         }
         return;
     }
@@ -936,7 +955,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     const bool typed   = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
     const bool threads = params.n_threads.size() > 1;
     const bool fa      = params.flash_attn.size() > 1;
-    auto label = [typed, threads, fa](const kvbench_result & r) {
+    const bool ngl     = params.n_gpu_layers.size() > 1;
+    auto label = [typed, threads, fa, ngl](const kvbench_result & r) {
         std::string res = r.label;
         if (typed) {
             res += std::string(" [") + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]";
@@ -946,6 +966,9 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         }
         if (fa) {
             res += std::string(" [fa ") + kvbench_fa_name(r.flash_attn) + "]";
+        }
+        if (ngl) {
+            res += " [ngl " + std::to_string(r.n_gpu_layers) + "]";
         }
         return res;
     };
@@ -1138,19 +1161,29 @@ int main(int argc, char ** argv) {
     }
     llama_backend_init();
 
-    llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers = params.n_gpu_layers;
-    llama_model * model = llama_model_load_from_file(params.model.c_str(), mparams);
-    if (!model) {
-        fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
-        return 1;
+    kvbench_models models; // one per -ngl value
+    for (int32_t ngl : params.n_gpu_layers) {
+        llama_model_params mparams = llama_model_default_params();
+        mparams.n_gpu_layers = ngl;
+        llama_model * m = llama_model_load_from_file(params.model.c_str(), mparams);
+        if (!m) {
+            fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
+            return 1;
+        }
+        models.list.push_back(m);
     }
+    llama_model * model = models.list[0];
+    const bool offload = *std::max_element(params.n_gpu_layers.begin(), params.n_gpu_layers.end()) > 0;
     {
         char desc[256];
         llama_model_desc(model, desc, sizeof(desc));
         std::string backend = "CPU";
-        if (params.n_gpu_layers > 0 && !kvbench_gpu_devices().empty()) {
-            backend = std::to_string(std::min(params.n_gpu_layers, llama_model_n_layer(model))) + " layers on";
+        if (offload && !kvbench_gpu_devices().empty()) {
+            backend.clear();
+            for (int32_t ngl : params.n_gpu_layers) {
+                backend += (backend.empty() ? "" : ",") + std::to_string(std::min(ngl, llama_model_n_layer(model)));
+            }
+            backend += " layers on";
             for (const auto & name : kvbench_gpu_devices()) {
                 backend += " " + name;
             }
@@ -1166,10 +1199,10 @@ int main(int argc, char ** argv) {
     int32_t n_need = 0;
     const size_t n_tests_max = 100000;
     const double n_tests = (double) params.n_depth.size()*(params.n_prompt.size()*params.n_gen.size() + params.n_pg.size())*
-                           params.type_k.size()*params.type_v.size()*params.n_threads.size()*params.flash_attn.size(); // at most: -pg pairs among -p x -n run once
+                           params.type_k.size()*params.type_v.size()*params.n_threads.size()*params.flash_attn.size()*
+                           params.n_gpu_layers.size(); // at most: -pg pairs among -p x -n run once
     if (n_tests > n_tests_max) {
-        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv x -t x -fa), more than %zu\n", n_tests, n_tests_max);
-        llama_model_free(model);
+        fprintf(stderr, "kvbench: the lists make %.0f tests (-d x (-p x -n, -pg) x -ctk x -ctv x -t x -fa x -ngl), more than %zu\n", n_tests, n_tests_max);
         return 1;
     }
     std::vector<std::pair<int32_t, int32_t>> pgs; // (prompt, gen): every -p with every -n, then the -pg pairs not among them
@@ -1192,19 +1225,19 @@ int main(int argc, char ** argv) {
             }
             if ((int64_t) d + p + g > (1 << 30)) {
                 fprintf(stderr, "kvbench: depth + prompt + gen (%" PRId64 ") is too large\n", (int64_t) d + p + g);
-                llama_model_free(model);
                 return 1;
             }
             if (params.n_ctx > 0 && d + p + g > params.n_ctx) {
                 fprintf(stderr, "kvbench: depth + prompt + gen (%d) exceeds the context size (-c %d)\n", d + p + g, params.n_ctx);
-                llama_model_free(model);
                 return 1;
             }
             for (ggml_type tk : params.type_k) {
                 for (ggml_type tv : params.type_v) {
                     for (int32_t nt : params.n_threads) {
                         for (llama_flash_attn_type fa : params.flash_attn) {
-                            tests.push_back({ d, p, g, tk, tv, nt, fa });
+                            for (size_t im = 0; im < params.n_gpu_layers.size(); ++im) {
+                                tests.push_back({ d, p, g, tk, tv, nt, fa, params.n_gpu_layers[im], im });
+                            }
                         }
                     }
                 }
@@ -1214,18 +1247,16 @@ int main(int argc, char ** argv) {
     }
     if (tests.empty()) {
         fprintf(stderr, "kvbench: -p 0 with -n 0 measures nothing (every test has neither a prompt nor generated tokens)\n");
-        llama_model_free(model);
         return 1;
     }
-    if (params.n_gpu_layers > 0 && kvbench_gpu_devices().empty()) {
+    if (offload && kvbench_gpu_devices().empty()) {
         // llama_supports_gpu_offload() is true in every build with the RPC backend, servers or not
-        fprintf(stderr, "kvbench: warning: no GPU device and no RPC server (-rpc), -ngl %d offloads nothing\n", params.n_gpu_layers);
+        fprintf(stderr, "kvbench: warning: no GPU device and no RPC server (-rpc), -ngl offloads nothing\n");
     }
     const bool fa_off = std::find(params.flash_attn.begin(), params.flash_attn.end(), LLAMA_FLASH_ATTN_TYPE_DISABLED) != params.flash_attn.end();
     for (ggml_type tv : params.type_v) {
         if (ggml_is_quantized(tv) && fa_off) {
             fprintf(stderr, "kvbench: -ctv %s: a quantized V cache needs flash attention (-fa on)\n", ggml_type_name(tv));
-            llama_model_free(model);
             return 1;
         }
     }
@@ -1242,7 +1273,6 @@ int main(int argc, char ** argv) {
         tokens = kvp_tool_tokens(llama_model_get_vocab(model), params.text_file, params.seed, (size_t) n_need + 1);
     } catch (const std::exception & e) {
         fprintf(stderr, "kvbench: %s\n", e.what());
-        llama_model_free(model);
         return 1;
     }
 
@@ -1257,14 +1287,13 @@ int main(int argc, char ** argv) {
             if (!params.verbose) {
                 llama_log_set(kvbench_log_none, nullptr);
             }
-            llama_context * ctx = kvbench_init_ctx(model, params, kp.pol, t, cparams);
+            llama_context * ctx = kvbench_init_ctx(models.list[t.i_model], params, kp.pol, t, cparams);
             if (!params.verbose) {
                 llama_log_set(kvbench_log_quiet, nullptr);
             }
             if (!ctx) {
                 fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", kp.label.c_str(), cparams.n_ctx,
                         llama_kvp_last_error());
-                llama_model_free(model);
                 return 1;
             }
             llama_free(ctx);
@@ -1281,7 +1310,7 @@ int main(int argc, char ** argv) {
         for (size_t it = 0; it < tests.size() && rc == 0; ++it) {
             const kvbench_test & t = tests[it];
             llama_context_params cparams;
-            llama_context * ctx = kvbench_init_ctx(model, params, pol, t, cparams);
+            llama_context * ctx = kvbench_init_ctx(models.list[t.i_model], params, pol, t, cparams);
             if (!ctx) {
                 fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", name.c_str(), cparams.n_ctx,
                         llama_kvp_last_error());
@@ -1300,6 +1329,7 @@ int main(int argc, char ** argv) {
             r.type_v   = t.type_v;
             r.n_threads = t.n_threads;
             r.flash_attn = t.flash_attn;
+            r.n_gpu_layers = t.n_gpu_layers;
             try {
                 kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
                 results.push_back(std::move(r));
@@ -1322,7 +1352,7 @@ int main(int argc, char ** argv) {
             llama_free(ctx);
         }
     }
-    llama_model_free(model);
+    models.free();
     if (rc != 0) {
         if (results.empty()) {
             return rc;
@@ -1334,7 +1364,8 @@ int main(int argc, char ** argv) {
     for (auto & r : results) {
         for (const auto & f : results) {
             if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth ||
-                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads || f.flash_attn != r.flash_attn) {
+                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads || f.flash_attn != r.flash_attn ||
+                f.n_gpu_layers != r.n_gpu_layers) {
                 continue;
             }
             double a, b, sd;

@@ -95,7 +95,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert "| policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
     assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
-    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn")
+    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn,n_gpu_layers")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])
@@ -134,6 +134,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     (["-fa", "maybe"], "-fa: expected on, off or auto"),
     (["-fa", "on,maybe"], "-fa: expected on, off or auto (or a comma-separated list of them), got 'on,maybe'"),
     (["-fa", "on,"], "-fa: expected on, off or auto"),
+    (["-ngl", "0,x"], "-ngl: expected integers >= 0 or ranges"),
     (["-fa", "off", "-ctv", "q8_0"], "a quantized V cache needs flash attention"),
     (["-fa", "on,off", "-ctv", "q8_0"], "a quantized V cache needs flash attention"),
 ])
@@ -237,7 +238,25 @@ def test_kvbench_runs_each_flash_attention_of_a_list_against_the_full_cache_with
     assert "flash attention off,on" in md.splitlines()[0]
     assert "| snapkv:budget=48,chunk=32 [fa off] |" in md and "| full [fa on] |" in md
     csv = list(csv_module.reader(kvbench(*args, "--no-limit", "-o", "csv", model_path=model_path).stdout.splitlines()))
-    assert [row[-1] for row in csv[1:]] == ["off", "on", "off", "on"]
+    assert [row[-2] for row in csv[1:]] == ["off", "on", "off", "on"]  # the column before n_gpu_layers
+
+
+def test_kvbench_loads_the_model_once_per_ngl_of_a_list(model_path):
+    """-ngl 0,4 as llama-bench's list: a test per value, each against the full cache with the same layers offloaded;
+    on a machine without a GPU it says that nothing is offloaded."""
+    args = ("-p", "64", "-n", "2", "-r", "1", "-t", "1", "-ngl", "0,4", "--no-limit", "--policy", "snapkv:budget=48,chunk=32")
+    p = kvbench(*args, "-o", "json", model_path=model_path)
+    doc = json.loads(p.stdout)
+    assert doc["n_gpu_layers"] == 0
+    rows = {(r["label"], r["n_gpu_layers"]): r for r in doc["results"]}
+    assert sorted(rows) == [("full", 0), ("full", 4), ("snapkv:budget=48,chunk=32", 0), ("snapkv:budget=48,chunk=32", 4)]
+    for ngl in (0, 4):
+        r, f = rows[("snapkv:budget=48,chunk=32", ngl)], rows[("full", ngl)]
+        assert r["pp_ratio"] == pytest.approx(r["pp_ts"] / f["pp_ts"], rel=1e-3)
+    if "no GPU device" in p.stderr:
+        assert "-ngl offloads nothing" in p.stderr
+    md = kvbench(*args, model_path=model_path).stdout
+    assert "| full [ngl 4] |" in md and "| snapkv:budget=48,chunk=32 [ngl 0] |" in md
 
 
 def test_kvbench_refuses_a_context_before_measuring_any_row(model_path):
