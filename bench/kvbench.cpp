@@ -766,6 +766,13 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     llama_kvp_clear_error();
 }
 
+// whether two rows ran with the same KV types, threads, flash attention and offloaded layers (the lists' axes beside
+// the sizes): a row's ratios and limit are against the full cache's with the same
+static bool kvbench_same_setup(const kvbench_result & a, const kvbench_result & b) {
+    return a.type_k == b.type_k && a.type_v == b.type_v && a.n_threads == b.n_threads && a.flash_attn == b.flash_attn &&
+           a.n_gpu_layers == b.n_gpu_layers;
+}
+
 // the physical limits, one row per (depth, n_gen): every row's limit steps at that depth, pooled
 static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench_result> & rows) {
     std::vector<kvbench_result> limits;
@@ -775,8 +782,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         }
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
-            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.type_k == row.type_k && x.type_v == row.type_v &&
-                 x.n_threads == row.n_threads && x.flash_attn == row.flash_attn && x.n_gpu_layers == row.n_gpu_layers) ? &x : l;
+            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && kvbench_same_setup(x, row)) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -1364,8 +1370,7 @@ int main(int argc, char ** argv) {
     for (auto & r : results) {
         for (const auto & f : results) {
             if (f.policy != "full" || f.n_prompt != r.n_prompt || f.n_gen != r.n_gen || f.n_depth != r.n_depth ||
-                f.type_k != r.type_k || f.type_v != r.type_v || f.n_threads != r.n_threads || f.flash_attn != r.flash_attn ||
-                f.n_gpu_layers != r.n_gpu_layers) {
+                !kvbench_same_setup(f, r)) {
                 continue;
             }
             double a, b, sd;
