@@ -53,6 +53,12 @@ def test_a_loaded_state_goes_on_as_the_saved_context(model_path, spec, tk):
     first = int(np.argmax(logits(llm)))
     state = llm.save_state()
     saved = policy_state(llm)
+    twin = make()  # the same tokens in another context give the same bytes (no clock in a state)
+    twin.eval(llm.tokenize(essays_file().read_text()[5000:9000].encode())[:700])
+    for _ in range(20):
+        twin.eval([int(np.argmax(logits(twin)))])
+    assert twin.save_state().llama_state == state.llama_state
+    twin.close()
     toks, rows = go_on(llm, first, 12)
 
     llm.load_state(state)  # into the context that went on past the save

@@ -773,7 +773,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
 
     // the pending bin, so that a restored state fits the same bins: n, the rows' type and bytes per K and V row, the
     // count of positions summarised, the telemetry counters, those positions, then per pending token (pos, score),
-    // then the K and V bytes
+    // then the K and V bytes. The fits' host time is not state (its slot holds 0): the same tokens give the same bytes
     void state_write(const llama_kvp_memory & mem, int32_t ikv, std::vector<uint8_t> & out) const override {
         const auto & L = mem.layers[ikv];
         if (!L.fate) {
@@ -784,7 +784,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
                                   (uint32_t) S.done.size(), (uint32_t) S.done_end.size() };
         auto put = [&](const void * x, size_t n) { llama_kvp_state_put(out, x, n); };
         const int64_t cnt[5] = { S.n_bins, S.n_fallback, S.n_tokens, S.n_fit, S.n_dropped };
-        const double  sum[3] = { S.err_sum, S.lse_sum, S.t_ms };
+        const double  sum[3] = { S.err_sum, S.lse_sum, 0.0 };
         put(hdr, sizeof(hdr));
         put(cnt, sizeof(cnt));
         put(sum, sizeof(sum));
@@ -834,8 +834,7 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
         S.n_fit      = cnt[3];
         S.n_dropped  = cnt[4];
         S.err_sum    = sum[0];
-        S.lse_sum    = sum[1];
-        S.t_ms       = sum[2];
+        S.lse_sum    = sum[1]; // sum[2]: the time slot, 0 (a context's fit time stays its own)
         S.done.resize(hdr[4]);
         memcpy(S.done.data(), x, S.done.size()*sizeof(llama_pos));
         x += S.done.size()*sizeof(llama_pos);
