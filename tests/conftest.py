@@ -31,6 +31,13 @@ def tiny_gemma3(tmp_path_factory, model_path) -> str:
     return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf", Path(model_path)))
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, model_path) -> str:
+    from tiny_models import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", Path(model_path)))
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """Log-probabilities of logits along the last axis."""
     x = x - x.max(axis=-1, keepdims=True)

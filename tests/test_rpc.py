@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 import pytest
 from conftest import PROSE
 
-from pykvcache import Llama
+from pykvcache import Llama, cli
 from pykvcache._native import _lib_file
 
 pytestmark = pytest.mark.skipif(not _lib_file("ggml-rpc").is_file(), reason="built without the RPC backend")
@@ -223,3 +224,22 @@ def test_backend_check_against_an_rpc_device(rpc_server):
     out = json.loads(res.stdout)
     assert out["gpu"] == rpc_server and out["pass"] and len(out["policies"]) == 3
     assert all(r["pass"] and "error" not in r for r in out["policies"])
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_memcheck_finds_no_error_on_the_host_and_over_rpc(rpc_server, tiny_llama):
+    """kvp-backend-check under valgrind's memcheck, on a tiny model: eviction, summarise, the host tier with the
+    freeze and sparse prefill, on the CPU and with the layers on the RPC server. Until the gaps between the layers'
+    parts of the packed mask and index inputs were zeroed, every retention policy sent uninitialised host bytes to
+    the server (memcheck: "socketcall.sendto(msg) points to uninitialised byte(s)")."""
+    exe = cli.tool_path("kvp-backend-check")
+    res = subprocess.run(["valgrind", "--error-exitcode=9", "--num-callers=20", str(exe), "-m", tiny_llama, "--rpc",
+                          rpc_server, "-p", "200", "-n", "4", "-t", "1", "--policy", "h2o:budget=48,chunk=32+host+freeze",
+                          "--policy", "snapkv:budget=48,chunk=32+summarise:bin=16,rank=2", "--policy",
+                          "none+sparse:threshold=64,base=32,block=32,segment=32"],
+                         cwd="/", capture_output=True, text=True, timeout=900)
+    assert "ERROR SUMMARY: 0 errors" in res.stderr and res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout)
+    assert len(out["policies"]) == 3 and out["pass"]
+    summ = out["policies"][1]
+    assert summ["summary_cpu"]["n_bins"] > 0  # the fits ran

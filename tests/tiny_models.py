@@ -18,44 +18,80 @@ def _copy_tokenizer(writer, source: Path) -> int:
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
+class _TinyWriter:
+    """A GGUF writer of a tiny model with random weights: the shared hyperparameters, tensors and layer weights."""
+
+    def __init__(self, path: Path, arch: str, tokenizer_source: Path, n_layer: int, n_embd: int, n_head: int,
+                 n_head_kv: int, head_dim: int, n_ff: int) -> None:
+        import gguf
+
+        self.rng = np.random.default_rng(0)
+        self.w = gguf.GGUFWriter(str(path), arch)
+        self.n_vocab = _copy_tokenizer(self.w, tokenizer_source)
+        self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_ff = n_embd, n_head, n_head_kv, head_dim, n_ff
+        w = self.w
+        w.add_block_count(n_layer)
+        w.add_context_length(2048)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+
+    def random(self, name: str, *shape: int, scale: float) -> None:
+        self.w.add_tensor(name, (self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def ones(self, name: str, n: int) -> None:
+        self.w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    def embeddings(self, scale: float) -> None:
+        self.w.add_tensor("token_embd.weight",
+                          (self.rng.standard_normal((self.n_vocab, self.n_embd)) * scale).astype(np.float16))
+        self.ones("output_norm.weight", self.n_embd)
+
+    def layer(self, i: int, scale: float) -> None:
+        """Layer i's attention and feed-forward matrices (its norms are the architecture's)."""
+        e, hd = self.n_embd, self.head_dim
+        self.random(f"blk.{i}.attn_q.weight", self.n_head * hd, e, scale=scale)
+        self.random(f"blk.{i}.attn_k.weight", self.n_head_kv * hd, e, scale=scale)
+        self.random(f"blk.{i}.attn_v.weight", self.n_head_kv * hd, e, scale=scale)
+        self.random(f"blk.{i}.attn_output.weight", e, self.n_head * hd, scale=scale)
+        self.random(f"blk.{i}.ffn_gate.weight", self.n_ff, e, scale=scale)
+        self.random(f"blk.{i}.ffn_up.weight", self.n_ff, e, scale=scale)
+        self.random(f"blk.{i}.ffn_down.weight", e, self.n_ff, scale=scale)
+
+    def close(self, path: Path) -> Path:
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+        return path
+
+
 def write_tiny_gemma3(path: Path, tokenizer_source: Path, n_layer: int = 2, sliding_window: int = 64) -> Path:
     """A 2-layer Gemma 3 with sliding-window layers (an iSWA KV cache), random weights."""
-    import gguf
-
-    n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 2, 1, 32, 128
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    n_vocab = _copy_tokenizer(w, tokenizer_source)
-    w.add_block_count(n_layer)
-    w.add_context_length(2048)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_sliding_window(sliding_window)
-
-    def t(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
-
-    w.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, n_embd)) * 0.02).astype(np.float16))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    m = _TinyWriter(path, "gemma3", tokenizer_source, n_layer, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=128)
+    m.w.add_key_length(m.head_dim)
+    m.w.add_value_length(m.head_dim)
+    m.w.add_layer_norm_rms_eps(1e-6)
+    m.w.add_sliding_window(sliding_window)
+    m.embeddings(0.02)
     for i in range(n_layer):
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-        t(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
-        t(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
-        t(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        t(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
-        t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
-        t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        t(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            m.ones(f"blk.{i}.{norm}.weight", m.n_embd)
+        m.ones(f"blk.{i}.attn_q_norm.weight", m.head_dim)
+        m.ones(f"blk.{i}.attn_k_norm.weight", m.head_dim)
+        m.layer(i, 0.02)
+    return m.close(path)
+
+
+def write_tiny_llama(path: Path, tokenizer_source: Path, n_layer: int = 2) -> Path:
+    """A 2-layer Llama (4 query heads, 2 KV heads of 64), random weights: every policy runs on it, ~100x faster."""
+    m = _TinyWriter(path, "llama", tokenizer_source, n_layer, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=256)
+    m.w.add_layer_norm_rms_eps(1e-5)
+    m.w.add_rope_dimension_count(m.head_dim)
+    m.embeddings(0.05)
+    for i in range(n_layer):
+        m.ones(f"blk.{i}.attn_norm.weight", m.n_embd)
+        m.ones(f"blk.{i}.ffn_norm.weight", m.n_embd)
+        m.layer(i, 0.05)
+    return m.close(path)

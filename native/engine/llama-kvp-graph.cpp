@@ -16,6 +16,8 @@
 
 #include "llama-graph.h"
 
+#include <cstring>
+
 class llama_kvp_attn_input : public llm_graph_input_attn_kv {
 public:
     llama_kvp_attn_input(const llama_hparams & hparams, const llama_cparams & cparams, const llama_kv_cache_context * mctx0) :
@@ -37,10 +39,23 @@ public:
             inp->self_k_idxs  = views[0];
             inp->self_v_idxs  = views[1];
             inp->self_kq_mask = views[2];
+            llama_kvp_zero_gap(k_idxs_all, off_k_idxs, ikv, ggml_nbytes(&k_idxs));
+            llama_kvp_zero_gap(v_idxs_all, off_v_idxs, ikv, ggml_nbytes(&v_idxs));
+            llama_kvp_zero_gap(mask_all,   off_mask,   ikv, ggml_nbytes(&mask));
             // cells that stand for several tokens (a fate stage's) weigh as many in the softmax
             if (mask.data) {
                 mem->mask_add_bias((int32_t) ikv, mask.data, mask.type == GGML_TYPE_F16, mask.ne[0], ggml_nrows(&mask));
             }
+        }
+    }
+
+    // zeroes the bytes between a layer's part of a packed input (n bytes from offs[ikv]) and the next part: the
+    // input is copied whole to an offloaded cache's device, and uninitialised host memory must not travel there
+    // (to an RPC server, over the network)
+    static void llama_kvp_zero_gap(const ggml_tensor * all, const std::vector<size_t> & offs, size_t ikv, size_t n) {
+        const size_t end = ikv + 1 < offs.size() ? offs[ikv + 1] : ggml_nbytes(all);
+        if (all->data && offs[ikv] + n < end) {
+            memset((char *) all->data + offs[ikv] + n, 0, end - offs[ikv] - n);
         }
     }
 
