@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -87,6 +88,7 @@ class Llama(llama_cpp.Llama):
         self._n_seq_max = n_seq_max
         self._gen_evals = -1  # evaluations by the running generate() (-1: none runs): its first is the prompt
         self._gen_owner: Optional[object] = None  # that generate()
+        self._gen_stepping = 0  # > 0 while a generate() step runs (its own evaluations are part of it)
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
         self._latent_at_end = policy is not None and policy.describe()["rerank_at_end"]
         if rpc_servers:
@@ -198,6 +200,7 @@ class Llama(llama_cpp.Llama):
     def embed(self, *args: Any, **kwargs: Any) -> Any:
         """Embeddings of text (llama_cpp.Llama.embed)."""
         self._check_open()
+        self._interrupt_paused_generation()
         return super().embed(*args, **kwargs)
 
     @exclusive
@@ -250,6 +253,7 @@ class Llama(llama_cpp.Llama):
 
         One this context cannot take is an error that leaves the context as it was."""
         self._check_open()
+        self._interrupt_paused_generation()
         before = super().save_state()
         _, lib = native()
         lib.llama_kvp_clear_error()
@@ -318,6 +322,7 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         self._check_open()
+        self._interrupt_paused_generation()
         if self.n_tokens + len(tokens) > self._n_ctx:
             # a retention policy's cache has room for more, but not the context's positions (nor llama-cpp-python's
             # token record, which a write past it silently cut): the full cache fails here too (llama_decode 1)
@@ -429,16 +434,23 @@ class Llama(llama_cpp.Llama):
         owner = object()
         self._gen_owner, self._gen_evals = owner, 0
         inner = super().generate(tokens, *args, **kwargs) if ladder is None else ladder.generate(tokens, args, kwargs)
+        resume: Any = functools.partial(next, inner)
         try:
-            item = next(inner)
             while True:
+                self._gen_stepping += 1
+                try:
+                    item = resume()
+                finally:
+                    self._gen_stepping -= 1
                 sent = yield item
                 if self._gen_owner is not owner:
-                    # another generation ran in between: the cache and the token record are its now
-                    raise ConcurrentUseError("this generation was interrupted by another one on the same Llama, which "
-                                             "replaced its tokens in the cache; a Llama runs one generation at a time "
-                                             "(finish or close a stream before starting the next)")
-                item = inner.send(sent)
+                    # another generation, an eval, a batch, a state load or an embedding ran in between: the cache and
+                    # the token record are no longer what this one goes on from
+                    raise ConcurrentUseError("this generation was interrupted by another call on the same Llama that "
+                                             "changed its cache (a generation, eval, generate_batch, load_state or "
+                                             "embed); a Llama runs one generation at a time (finish or close a stream "
+                                             "before the next call)")
+                resume = functools.partial(inner.send, sent)
         except StopIteration as stop:
             return stop.value
         finally:
@@ -446,10 +458,17 @@ class Llama(llama_cpp.Llama):
             if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
                 self._gen_owner, self._gen_evals = None, -1
 
+    def _interrupt_paused_generation(self) -> None:
+        # a call that changes the cache between two steps of a stream (not one of that stream's own evaluations):
+        # the stream is refused when it resumes (generate)
+        if not self._gen_stepping:
+            self._gen_owner, self._gen_evals = None, -1
+
     @exclusive
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> List[List[int]]:
         """Greedy continuations of several token prompts decoded together, one sequence each (up to n_seq_max)."""
         self._check_open()
+        self._interrupt_paused_generation()
         return generate_batch(self, prompts, max_tokens)
 
     def _kv_reuse_prefix(self, tokens: list) -> None:

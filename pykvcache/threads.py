@@ -4,8 +4,10 @@ llama.cpp's context is not thread-safe: two threads decoding in one context abor
 CPU backend) or corrupt the cache, and llama-cpp-python's `Llama` leaves that to its caller. A `Llama` of pykvcache
 marks the thread running one of its methods (nested calls of that thread go on); a call from another thread meanwhile
 raises `ConcurrentUseError`. Only the running steps count: a stream that is paused between two tokens holds nothing,
-so a stream may be consumed from worker threads one token at a time (as web servers do). A generation that another
-one replaced in between is refused when it resumes (`Llama.generate`), so interleaved calls never mix their tokens.
+so a stream may be consumed from worker threads one token at a time (as web servers do). A generation paused while
+another call changed the cache (a generation, eval, generate_batch, load_state or embed) is refused when it resumes
+(`Llama.generate`), so interleaved calls never mix their tokens. A `Llama` and its sequence views share one context:
+use the views or the `Llama` at a time (the server's views take turns, and its stats take a turn too).
 """
 
 from __future__ import annotations

@@ -71,9 +71,26 @@ def test_a_stream_interrupted_by_another_generation_is_refused_when_it_resumes(m
     first = llm(PROMPTS[0], max_tokens=16, temperature=0, stream=True)
     next(first)
     assert _text(llm, PROMPTS[1]) == ref[1]
-    with pytest.raises(ConcurrentUseError, match="interrupted by another one"):
+    with pytest.raises(ConcurrentUseError, match="interrupted by another call"):
         next(first)
     assert _text(llm, PROMPTS[0]) == ref[0]
+    llm.close()
+
+
+@pytest.mark.parametrize("call", ["eval", "generate_batch", "load_state"])
+def test_a_stream_is_refused_after_a_call_that_changed_the_cache_in_between(model_path, call):
+    # before: generate_batch or eval gave the stream other text silently, load_state aborted the process
+    llm = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+    ref = _text(llm, PROMPTS[0])
+    state = llm.save_state()
+    first = llm(PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    next(first)
+    other = llm.tokenize(PROMPTS[1].encode())
+    {"eval": lambda: llm.eval(other), "generate_batch": lambda: llm.generate_batch([other], max_tokens=2),
+     "load_state": lambda: llm.load_state(state)}[call]()
+    with pytest.raises(ConcurrentUseError, match="interrupted by another call"):
+        next(first)
+    assert _text(llm, PROMPTS[0]) == ref
     llm.close()
 
 
