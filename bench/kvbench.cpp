@@ -37,7 +37,7 @@ struct kvbench_params {
     std::vector<std::pair<int32_t, int32_t>> n_pg; // (prompt, gen) pairs, as llama-bench's -pg, beside the -p x -n tests
     int32_t                  reps     = 3;
     std::vector<int32_t>     n_threads;    // CPU threads, as llama-bench's -t list (empty: the hardware threads)
-    std::vector<int32_t>     n_gpu_layers = { 0 }; // as llama-bench's -ngl list: the model loaded once per value
+    std::vector<int32_t>     n_gpu_layers = { 0 }; // as llama-bench's -ngl list: the model loaded for each value in turn
     std::string              rpc;          // RPC servers, as llama-bench's --rpc
     int32_t                  n_ctx    = 0;
     int32_t                  n_batch  = 512;
@@ -152,20 +152,21 @@ struct kvbench_test {
     int32_t   n_threads;
     llama_flash_attn_type flash_attn;
     int32_t   n_gpu_layers;
-    size_t    i_model; // the model loaded with those layers offloaded
+    size_t    i_model; // the index of its -ngl value: the model loaded with those layers offloaded
 };
 
-// the model loaded once per -ngl value, freed on every way out
-struct kvbench_models {
-    std::vector<llama_model *> list;
+// a model, freed on every way out
+struct kvbench_model {
+    llama_model * ptr;
 
-    void free() {
-        for (llama_model * m : list) {
-            llama_model_free(m);
+    explicit kvbench_model(llama_model * m) : ptr(m) {}
+    ~kvbench_model() {
+        if (ptr) {
+            llama_model_free(ptr);
         }
-        list.clear();
     }
-    ~kvbench_models() { free(); }
+    kvbench_model(const kvbench_model &) = delete;
+    kvbench_model & operator=(const kvbench_model &) = delete;
 };
 
 // the KV cache types llama.cpp's tools take by name (common/arg.cpp's list)
@@ -205,6 +206,25 @@ static const char * kvbench_fa_json(llama_flash_attn_type fa) {
 // flash attention as -fa takes it: on, off or auto (md and CSV)
 static const char * kvbench_fa_name(llama_flash_attn_type fa) {
     return fa == LLAMA_FLASH_ATTN_TYPE_AUTO ? "auto" : fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "on" : "off";
+}
+
+// what tells a row from the others of its policy and sizes: its KV types if not f16, and its threads, flash
+// attention and offloaded layers where those lists have more than one value (md labels, progress)
+static std::string kvbench_row_tag(const kvbench_params & params, const kvbench_result & r) {
+    std::string res;
+    if (params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 }) {
+        res += std::string(" [") + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]";
+    }
+    if (params.n_threads.size() > 1) {
+        res += " [t=" + std::to_string(r.n_threads) + "]";
+    }
+    if (params.flash_attn.size() > 1) {
+        res += std::string(" [fa ") + kvbench_fa_name(r.flash_attn) + "]";
+    }
+    if (params.n_gpu_layers.size() > 1) {
+        res += " [ngl " + std::to_string(r.n_gpu_layers) + "]";
+    }
+    return res;
 }
 
 // flash attention values, as llama-bench's -fa list: on/1, off/0, auto/-1
@@ -584,7 +604,8 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
     std::vector<bool>   step_obs; // whether that step observed
     for (int32_t rep = 0; rep < params.reps; ++rep) {
         if (params.progress) {
-            fprintf(stderr, "kvbench: %-28s p=%d n=%d d=%d  rep %d/%d\n", r.label.c_str(), r.n_prompt, r.n_gen, r.n_depth, rep + 1, params.reps);
+            fprintf(stderr, "kvbench: %-28s p=%d n=%d d=%d  rep %d/%d\n", (r.label + kvbench_row_tag(params, r)).c_str(),
+                    r.n_prompt, r.n_gen, r.n_depth, rep + 1, params.reps);
         }
         llama_memory_clear(llama_get_memory(ctx), true);
         if (retains && llama_kvp_set_prompt_len(ctx, r.n_depth + r.n_prompt) != 0) {
@@ -896,9 +917,10 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                           const std::vector<kvbench_result> & limits) {
     char run[4096];
     const std::string rpc = params.rpc.empty() ? "null" : kvp_tool_json_str(params.rpc);
-    snprintf(run, sizeof(run), "\"model\": %s, \"n_threads\": %d, \"n_gpu_layers\": %d, \"rpc\": %s, \"flash_attn\": %s, \"repetitions\": %d, "
+    // jsonl: the run's settings in each row, but those each row has of its own (threads, flash attention, layers)
+    snprintf(run, sizeof(run), "\"model\": %s, \"rpc\": %s, \"repetitions\": %d, "
             "\"n_batch\": %d, \"n_ubatch\": %d, \"seed\": %u, \"tokens\": %s, ",
-            kvp_tool_json_str(model).c_str(), params.n_threads[0], params.n_gpu_layers[0], rpc.c_str(), kvbench_fa_json(params.flash_attn[0]), params.reps,
+            kvp_tool_json_str(model).c_str(), rpc.c_str(), params.reps,
             params.n_batch, kvbench_n_ubatch(params), params.seed,
             kvp_tool_json_str(params.text_file.empty() ? "random" : params.text_file).c_str());
     if (params.output == "json") {
@@ -957,27 +979,7 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         }
         return;
     }
-    // with other KV cache types than f16 (-ctk / -ctv), a row's label says its types; with several -t, its threads
-    const bool typed   = params.type_k != std::vector<ggml_type>{ GGML_TYPE_F16 } || params.type_v != std::vector<ggml_type>{ GGML_TYPE_F16 };
-    const bool threads = params.n_threads.size() > 1;
-    const bool fa      = params.flash_attn.size() > 1;
-    const bool ngl     = params.n_gpu_layers.size() > 1;
-    auto label = [typed, threads, fa, ngl](const kvbench_result & r) {
-        std::string res = r.label;
-        if (typed) {
-            res += std::string(" [") + ggml_type_name(r.type_k) + "/" + ggml_type_name(r.type_v) + "]";
-        }
-        if (threads) {
-            res += " [t=" + std::to_string(r.n_threads) + "]";
-        }
-        if (fa) {
-            res += std::string(" [fa ") + kvbench_fa_name(r.flash_attn) + "]";
-        }
-        if (ngl) {
-            res += " [ngl " + std::to_string(r.n_gpu_layers) + "]";
-        }
-        return res;
-    };
+    auto label = [&params](const kvbench_result & r) { return r.label + kvbench_row_tag(params, r); };
     std::string n_threads;
     for (int32_t t : params.n_threads) {
         n_threads += (n_threads.empty() ? "" : ",") + std::to_string(t);
@@ -1083,6 +1085,27 @@ static void kvbench_log_none(enum ggml_log_level level, const char * text, void 
     (void) user_data;
 }
 
+// the md table's caption: the model, its size and parameters, the backend (the layers each -ngl offloads)
+static std::string kvbench_model_desc(const llama_model * model, const kvbench_params & params, bool offload) {
+    char desc[256];
+    llama_model_desc(model, desc, sizeof(desc));
+    std::string backend = "CPU";
+    if (offload && !kvbench_gpu_devices().empty()) {
+        backend.clear();
+        for (int32_t ngl : params.n_gpu_layers) {
+            backend += (backend.empty() ? "" : ",") + std::to_string(std::min(ngl, llama_model_n_layer(model)));
+        }
+        backend += " layers on";
+        for (const auto & name : kvbench_gpu_devices()) {
+            backend += " " + name;
+        }
+    }
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s, %.2f MiB, %.1fM params, %s", desc, llama_model_size(model)/1048576.0,
+            llama_model_n_params(model)/1e6, backend.c_str());
+    return buf;
+}
+
 // the context of test t under policy pol (full: llama.cpp's own cache); nullptr if it cannot be made
 static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_params & params, const llama_kvp_policy & pol,
                                         const kvbench_test & t, llama_context_params & cparams) {
@@ -1167,40 +1190,9 @@ int main(int argc, char ** argv) {
     }
     llama_backend_init();
 
-    kvbench_models models; // one per -ngl value
-    for (int32_t ngl : params.n_gpu_layers) {
-        llama_model_params mparams = llama_model_default_params();
-        mparams.n_gpu_layers = ngl;
-        llama_model * m = llama_model_load_from_file(params.model.c_str(), mparams);
-        if (!m) {
-            fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
-            return 1;
-        }
-        models.list.push_back(m);
-    }
-    llama_model * model = models.list[0];
+    // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size; checked
+    // before any model loads
     const bool offload = *std::max_element(params.n_gpu_layers.begin(), params.n_gpu_layers.end()) > 0;
-    {
-        char desc[256];
-        llama_model_desc(model, desc, sizeof(desc));
-        std::string backend = "CPU";
-        if (offload && !kvbench_gpu_devices().empty()) {
-            backend.clear();
-            for (int32_t ngl : params.n_gpu_layers) {
-                backend += (backend.empty() ? "" : ",") + std::to_string(std::min(ngl, llama_model_n_layer(model)));
-            }
-            backend += " layers on";
-            for (const auto & name : kvbench_gpu_devices()) {
-                backend += " " + name;
-            }
-        }
-        char buf[512];
-        snprintf(buf, sizeof(buf), "%s, %.2f MiB, %.1fM params, %s", desc, llama_model_size(model)/1048576.0,
-                llama_model_n_params(model)/1e6, backend.c_str());
-        params.model_desc = buf;
-    }
-
-    // the tests, as llama-bench's instances: every (depth, prompt, gen), each in a context of its own size
     std::vector<kvbench_test> tests;
     int32_t n_need = 0;
     const size_t n_tests_max = 100000;
@@ -1274,91 +1266,111 @@ int main(int argc, char ** argv) {
         }
     }
 
-    std::vector<llama_token> tokens;
-    try {
-        tokens = kvp_tool_tokens(llama_model_get_vocab(model), params.text_file, params.seed, (size_t) n_need + 1);
-    } catch (const std::exception & e) {
-        fprintf(stderr, "kvbench: %s\n", e.what());
-        return 1;
-    }
-
-    // every policy's context of every test made once first, so that what the model or the context refuses (a rank
-    // above the head size, a bin that never fills) is one line before any test runs, not after the full cache's
-    for (const auto & kp : pols) {
-        for (const auto & t : tests) {
-            if (kvbench_is_full(kp.pol)) {
-                continue;
-            }
-            llama_context_params cparams;
-            if (!params.verbose) {
-                llama_log_set(kvbench_log_none, nullptr);
-            }
-            llama_context * ctx = kvbench_init_ctx(models.list[t.i_model], params, kp.pol, t, cparams);
-            if (!params.verbose) {
-                llama_log_set(kvbench_log_quiet, nullptr);
-            }
-            if (!ctx) {
-                fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", kp.label.c_str(), cparams.n_ctx,
-                        llama_kvp_last_error());
+    // the model loaded once per -ngl value, in turn (as llama-bench: one at a time), its tests run before the next
+    std::vector<llama_token>    tokens;
+    std::vector<kvbench_result> results;
+    int rc = 0;
+    for (size_t im = 0; im < params.n_gpu_layers.size() && rc == 0; ++im) {
+        llama_model_params mparams = llama_model_default_params();
+        mparams.n_gpu_layers = params.n_gpu_layers[im];
+        kvbench_model model(llama_model_load_from_file(params.model.c_str(), mparams));
+        if (!model.ptr) {
+            fprintf(stderr, "kvbench: failed to load the model %s\n", params.model.c_str());
+            rc = 1;
+            break;
+        }
+        if (im == 0) {
+            params.model_desc = kvbench_model_desc(model.ptr, params, offload);
+            try {
+                tokens = kvp_tool_tokens(llama_model_get_vocab(model.ptr), params.text_file, params.seed, (size_t) n_need + 1);
+            } catch (const std::exception & e) {
+                fprintf(stderr, "kvbench: %s\n", e.what());
                 return 1;
             }
-            llama_free(ctx);
         }
-    }
-
-    std::vector<kvbench_result> results;
-    std::vector<llama_context *> ctx_lims(tests.size(), nullptr); // the full cache's context of each test, kept for the limits
-    int rc = 0;
-    for (const auto & kp : pols) {
-        const std::string     & name = kp.label;
-        const llama_kvp_policy & pol = kp.pol;
-        const bool full = kvbench_is_full(pol);
-        for (size_t it = 0; it < tests.size() && rc == 0; ++it) {
-            const kvbench_test & t = tests[it];
-            llama_context_params cparams;
-            llama_context * ctx = kvbench_init_ctx(models.list[t.i_model], params, pol, t, cparams);
-            if (!ctx) {
-                fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", name.c_str(), cparams.n_ctx,
-                        llama_kvp_last_error());
-                rc = 1;
-                break;
+        std::vector<size_t> its; // this model's tests
+        for (size_t it = 0; it < tests.size(); ++it) {
+            if (tests[it].i_model == im) {
+                its.push_back(it);
             }
-            kvbench_result r;
-            r.policy   = kp.spec.substr(0, kp.spec.find(':'));
-            r.label    = kp.label;
-            r.spec     = kp.spec;
-            r.n_prompt = t.n_prompt;
-            r.n_gen    = t.n_gen;
-            r.n_depth  = t.n_depth;
-            r.n_ctx    = (int32_t) cparams.n_ctx;
-            r.type_k   = t.type_k;
-            r.type_v   = t.type_v;
-            r.n_threads = t.n_threads;
-            r.flash_attn = t.flash_attn;
-            r.n_gpu_layers = t.n_gpu_layers;
-            try {
-                kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
-                results.push_back(std::move(r));
-            } catch (const std::exception & e) {
-                fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
-                rc = 1;
-            }
-            if (rc == 0 && params.limit && full && !ctx_lims[it]) {
-                ctx_lims[it] = ctx;
-            } else {
+        }
+        // every policy's context of every test made once first, so that what the model or the context refuses (a
+        // rank above the head size, a bin that never fills) is one line before any test runs, not after the full
+        // cache's (with several -ngl: before the tests of that model)
+        for (const auto & kp : pols) {
+            for (size_t it : its) {
+                if (kvbench_is_full(kp.pol) || rc != 0) {
+                    continue;
+                }
+                llama_context_params cparams;
+                if (!params.verbose) {
+                    llama_log_set(kvbench_log_none, nullptr);
+                }
+                llama_context * ctx = kvbench_init_ctx(model.ptr, params, kp.pol, tests[it], cparams);
+                if (!params.verbose) {
+                    llama_log_set(kvbench_log_quiet, nullptr);
+                }
+                if (!ctx) {
+                    fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", kp.label.c_str(), cparams.n_ctx,
+                            llama_kvp_last_error());
+                    rc = 1;
+                    continue;
+                }
                 llama_free(ctx);
             }
         }
-        if (rc != 0) {
-            break;
+        std::vector<llama_context *> ctx_lims(tests.size(), nullptr); // the full cache's context of each test, kept for the limits
+        for (size_t ip = 0; ip < pols.size() && rc == 0; ++ip) {
+            const auto & kp = pols[ip];
+            const std::string     & name = kp.label;
+            const llama_kvp_policy & pol = kp.pol;
+            const bool full = kvbench_is_full(pol);
+            for (size_t it : its) {
+                const kvbench_test & t = tests[it];
+                llama_context_params cparams;
+                llama_context * ctx = kvbench_init_ctx(model.ptr, params, pol, t, cparams);
+                if (!ctx) {
+                    fprintf(stderr, "kvbench: %s: cannot create the context (n_ctx %u): %s\n", name.c_str(), cparams.n_ctx,
+                            llama_kvp_last_error());
+                    rc = 1;
+                    break;
+                }
+                kvbench_result r;
+                r.policy   = kp.spec.substr(0, kp.spec.find(':'));
+                r.label    = kp.label;
+                r.spec     = kp.spec;
+                r.n_prompt = t.n_prompt;
+                r.n_gen    = t.n_gen;
+                r.n_depth  = t.n_depth;
+                r.n_ctx    = (int32_t) cparams.n_ctx;
+                r.type_k   = t.type_k;
+                r.type_v   = t.type_v;
+                r.n_threads = t.n_threads;
+                r.flash_attn = t.flash_attn;
+                r.n_gpu_layers = t.n_gpu_layers;
+                try {
+                    kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
+                    results.push_back(std::move(r));
+                } catch (const std::exception & e) {
+                    fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
+                    rc = 1;
+                }
+                if (rc == 0 && params.limit && full && !ctx_lims[it]) {
+                    ctx_lims[it] = ctx;
+                } else {
+                    llama_free(ctx);
+                }
+                if (rc != 0) {
+                    break;
+                }
+            }
+        }
+        for (llama_context * ctx : ctx_lims) {
+            if (ctx) {
+                llama_free(ctx);
+            }
         }
     }
-    for (llama_context * ctx : ctx_lims) {
-        if (ctx) {
-            llama_free(ctx);
-        }
-    }
-    models.free();
     if (rc != 0) {
         if (results.empty()) {
             return rc;

@@ -239,6 +239,9 @@ def test_kvbench_runs_each_flash_attention_of_a_list_against_the_full_cache_with
     assert "| snapkv:budget=48,chunk=32 [fa off] |" in md and "| full [fa on] |" in md
     csv = list(csv_module.reader(kvbench(*args, "--no-limit", "-o", "csv", model_path=model_path).stdout.splitlines()))
     assert [row[-2] for row in csv[1:]] == ["off", "on", "off", "on"]  # the column before n_gpu_layers
+    for line in kvbench(*args, "--no-limit", "-o", "jsonl", model_path=model_path).stdout.splitlines():
+        keys = [k for k, _ in json.loads(line, object_pairs_hook=list)]
+        assert len(keys) == len(set(keys)), keys  # a row's own settings only once (strict parsers refuse duplicates)
 
 
 def test_kvbench_loads_the_model_once_per_ngl_of_a_list(model_path):
