@@ -253,7 +253,6 @@ class Llama(llama_cpp.Llama):
 
         One this context cannot take is an error that leaves the context as it was."""
         self._check_open()
-        self._interrupt_paused_generation()
         before = super().save_state()
         _, lib = native()
         lib.llama_kvp_clear_error()
@@ -266,6 +265,7 @@ class Llama(llama_cpp.Llama):
             except RuntimeError:  # not expected: then at least an empty cache, not a half-loaded one
                 self.n_tokens = 0
                 self._ctx.kv_cache_seq_rm(-1, 0, -1)
+                self._interrupt_paused_generation()
             if reason:
                 raise RuntimeError(f"this state cannot be loaded here: {reason}; the context is unchanged") from None
             pol = self._kv_policy.spec() if self._kv_policy is not None else "none (the full cache)"
@@ -274,6 +274,7 @@ class Llama(llama_cpp.Llama):
                                f"policy, context size, number of sequences or KV cache types (this one: kv_policy={pol}, "
                                f"n_ctx={self.context_params.n_ctx}, n_seq_max={self._n_seq_max}, K/V {types}); the "
                                f"context is unchanged") from None
+        self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
 
     @property
     def kv_policy(self) -> Optional[Policy]:

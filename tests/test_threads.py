@@ -94,6 +94,21 @@ def test_a_stream_is_refused_after_a_call_that_changed_the_cache_in_between(mode
     llm.close()
 
 
+def test_a_refused_state_load_leaves_a_paused_stream_going_on(model_path):
+    llm = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+    ref = _text(llm, PROMPTS[0])
+    other = Llama(model_path, n_ctx=512, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.25")
+    _text(other, PROMPTS[1])
+    foreign = other.save_state()
+    other.close()
+    stream = llm(PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    first = next(stream)["choices"][0]["text"]
+    with pytest.raises(RuntimeError, match="cannot be loaded here"):
+        llm.load_state(foreign)  # the context is unchanged: the stream may go on
+    assert first + "".join(c["choices"][0]["text"] for c in stream) == ref
+    llm.close()
+
+
 def test_two_threads_hammering_one_llama_never_crash_the_process(model_path, tmp_path):
     # llama.cpp aborts the process (GGML_ASSERT) when two threads decode in one context: run it in a child
     script = tmp_path / "hammer.py"
