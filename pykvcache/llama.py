@@ -606,7 +606,8 @@ class Llama(llama_cpp.Llama):
         k = ffi.new("uint8_t[]", int(n))
         v = ffi.new("uint8_t[]", int(n))
         lib.llama_kvp_layer_cell_kv(ctx, layer, pos, k, v)
-        nk = int(self.kv_stats().layers[layer].k_bytes) // int(self.kv_stats().layers[layer].n_cells)
+        stats = self.kv_stats().layers[layer]
+        nk = int(stats.k_bytes) // int(stats.n_cells)
         return bytes(ffi.buffer(k, nk)), bytes(ffi.buffer(v, int(n) - nk))
 
     @exclusive

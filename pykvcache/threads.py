@@ -53,7 +53,7 @@ class Exclusive:
 
 
 def _guard(obj: Any) -> Exclusive:
-    # made by the object's constructor; one made or unpickled otherwise gets its own at its first call
+    # made by the constructor; a Llama whose construction failed before it (closed by __del__) gets one here
     g = obj.__dict__.get("_exclusive")
     return g if g is not None else obj.__dict__.setdefault("_exclusive", Exclusive())
 

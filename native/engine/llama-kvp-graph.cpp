@@ -39,9 +39,11 @@ public:
             inp->self_k_idxs  = views[0];
             inp->self_v_idxs  = views[1];
             inp->self_kq_mask = views[2];
-            llama_kvp_zero_gap(k_idxs_all, off_k_idxs, ikv, ggml_nbytes(&k_idxs));
-            llama_kvp_zero_gap(v_idxs_all, off_v_idxs, ikv, ggml_nbytes(&v_idxs));
-            llama_kvp_zero_gap(mask_all,   off_mask,   ikv, ggml_nbytes(&mask));
+            if (device_copy) {
+                llama_kvp_zero_gap(k_idxs_all, off_k_idxs, ikv, ggml_nbytes(&k_idxs));
+                llama_kvp_zero_gap(v_idxs_all, off_v_idxs, ikv, ggml_nbytes(&v_idxs));
+                llama_kvp_zero_gap(mask_all,   off_mask,   ikv, ggml_nbytes(&mask));
+            }
             // cells that stand for several tokens (a fate stage's) weigh as many in the softmax
             if (mask.data) {
                 mem->mask_add_bias((int32_t) ikv, mask.data, mask.type == GGML_TYPE_F16, mask.ne[0], ggml_nrows(&mask));
@@ -90,6 +92,7 @@ public:
     const llama_kvp_memory * mem = nullptr;
     int32_t n_resize = 0; // reallocations of the memory when the graph was built
     llama_seq_id seq = 0; // the sequence whose caches the graph attends to
+    bool device_copy = false; // the packed inputs are copied whole to a device (a layer's cache off the host)
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> per_layer; // by KV layer
 
@@ -157,6 +160,7 @@ llm_graph_input_attn_kv * llama_kvp_build_attn_inp_kv(const llm_graph_context & 
     // with a layer's cache off the host, the views are cut from a device copy of each input
     const ggml_type idx_type  = k_shape[0]->type;
     const bool      offloaded = mem->off_host();
+    inp->device_copy = offloaded;
     ggml_tensor * k_idxs_src = nullptr;
     ggml_tensor * v_idxs_src = nullptr;
     ggml_tensor * mask_src   = nullptr;
