@@ -737,6 +737,8 @@ void llama_kvp_memory::compact(int32_t ikv) {
     const uint32_t size = L.kv->get_size();
     std::vector<uint32_t> from;
     std::vector<uint32_t> to;
+    from.reserve(size/2); // at most half the cells move
+    to.reserve(size/2);
     uint32_t lo = 0;
     uint32_t hi = size;
     while (true) {

@@ -84,7 +84,12 @@ void llama_kvp_kv_access::cell_positions(const llama_kv_cache & kv, uint32_t n, 
 }
 
 void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
-    kv.v_cells[0].rm(i);
+    auto & cells = kv.v_cells[0];
+    if (cells.seq_count(i) == 1) {
+        cells.seq_rm(i, cells.seq_get(i)); // the same as rm() for a cell of one sequence, without its loop over all
+        return;                            // LLAMA_MAX_SEQ sequences (freeze and thaw call this for every move)
+    }
+    cells.rm(i);
 }
 
 void llama_kvp_kv_access::cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq) {

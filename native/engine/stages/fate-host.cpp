@@ -118,23 +118,28 @@ static uint32_t llama_kvp_host_restore(llama_kvp_memory & mem, int32_t ikv, llam
     std::vector<int32_t> cell;
     mem.cells_restore(ikv, pos, cell);
 
-    std::vector<uint32_t>  idx;
-    std::vector<size_t>    done;
-    std::vector<uint8_t>   kb;
-    std::vector<uint8_t>   vb;
-    std::vector<llama_pos> back_pos;
-    std::vector<float>     back_score;
+    size_t n_done = 0;
     for (size_t i = 0; i < which.size(); ++i) {
+        n_done += cell[i] >= 0;
+    }
+    std::vector<uint32_t>  idx(n_done);
+    std::vector<size_t>    done(n_done);
+    std::vector<uint8_t>   kb(n_done*S.row_k);
+    std::vector<uint8_t>   vb(n_done*S.row_v);
+    std::vector<llama_pos> back_pos(n_done);
+    std::vector<float>     back_score(n_done);
+    for (size_t i = 0, j = 0; i < which.size(); ++i) {
         if (cell[i] < 0) {
             continue;
         }
         const size_t e = which[i];
-        idx.push_back((uint32_t) cell[i]);
-        done.push_back(e);
-        kb.insert(kb.end(), S.k.begin() + e*S.row_k, S.k.begin() + (e + 1)*S.row_k);
-        vb.insert(vb.end(), S.v.begin() + e*S.row_v, S.v.begin() + (e + 1)*S.row_v);
-        back_pos.push_back(S.pos[e]);
-        back_score.push_back(S.score[e]);
+        idx[j]        = (uint32_t) cell[i];
+        done[j]       = e;
+        back_pos[j]   = S.pos[e];
+        back_score[j] = S.score[e];
+        memcpy(kb.data() + j*S.row_k, S.k.data() + e*S.row_k, S.row_k);
+        memcpy(vb.data() + j*S.row_v, S.v.data() + e*S.row_v, S.row_v);
+        j++;
     }
     if (mem.st) {
         llama_kvp_obs_cells_set_score(mem.st, ikv, idx.data(), back_pos.data(), back_score.data(), idx.size());
