@@ -91,12 +91,16 @@ def _kvbench_table(res: Optional[Dict[str, Any]], what: str) -> str:
                   for r in sums]
     perf = [r for r in res["results"] if r.get("host_ms_tg") is not None and r.get("tg_ts")]
     if perf:  # the policy's own host time around the graphs per decoded token (llama_kvp_perf), by part
-        lines += ["", "| policy | host ms per decoded token | prepare | slots | inputs | x step |", "|---|---:|---:|---:|---:|---:|"]
+        # and apart, the time it waited in them for the device's earlier graphs (runs before the field: '-')
+        lines += ["", "| policy | host ms per decoded token | prepare | slots | inputs | x step | wait ms per decoded token |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for r in perf:
             n = max(r["n_gen"], 1)
             parts = r["host_ms_tg_parts"]
+            wait = r.get("host_wait_ms_tg")
             lines.append(f"| {r['label']} | {r['host_ms_tg'] / n:.3f} | {parts[0] / n:.3f} | {parts[1] / n:.3f} | "
-                         f"{parts[2] / n:.3f} | {r['host_ms_tg'] / n * r['tg_ts'] / 1000:.3f} |")
+                         f"{parts[2] / n:.3f} | {r['host_ms_tg'] / n * r['tg_ts'] / 1000:.3f} | "
+                         f"{'-' if wait is None else f'{wait / n:.3f}'} |")
     return "\n".join(lines)
 
 

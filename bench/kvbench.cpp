@@ -117,10 +117,12 @@ struct kvbench_result {
     double  sum_ms_tg = 0.0;
 
     // the policy's host time around the graphs (llama_kvp_perf), per repetition (ms): the prompt's all together, the
-    // decode steps' by part (prepare, slot, input, settle)
+    // decode steps' by part (prepare, slot, input, settle); apart, the time it waited in them for the backends
     int32_t perf       = 0; // 1: the context has a policy
     double  perf_ms_pp = 0.0;
     double  perf_tg[4] = { 0.0, 0.0, 0.0, 0.0 };
+    double  wait_ms_pp = 0.0;
+    double  wait_ms_tg = 0.0;
 
     // ratios to `full` at the same configuration (has_ref: there is one)
     bool   has_ref  = false;
@@ -331,7 +333,9 @@ static void kvbench_usage(const char * argv0) {
     printf("on the host around llama.cpp's graphs (llama_kvp_perf), for the prompt and per decoded token, by part: prepare\n");
     printf("(budgets, scores, evictions, the fate stage's work), slots (each layer's cells for the ubatch), inputs (per-layer\n");
     printf("masks and cell indices, the observation's inputs), settle (a prompt's end settled after its last ubatch, summarise);\n");
-    printf("host_ms_tg_parts lists the four in that order; `x step` is its share of the mean decode step.\n");
+    printf("host_ms_tg_parts lists the four in that order; `x step` is its share of the mean decode step. wait (host_wait_ms_*):\n");
+    printf("the time the policy's code waited in those parts for a backend that computes asynchronously (a GPU, an RPC server)\n");
+    printf("to finish earlier graphs before reading what they wrote; not counted in the host time (~0 on the CPU).\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);
@@ -595,10 +599,11 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
             parts[1] = x.t_slot_ms;
             parts[2] = x.t_input_ms;
             parts[3] = x.t_settle_ms;
+            parts[4] = x.t_wait_ms;
         }
     };
-    double perf0[4] = { 0.0, 0.0, 0.0, 0.0 };
-    double perf1[4] = { 0.0, 0.0, 0.0, 0.0 };
+    double perf0[5] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
+    double perf1[5] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
 
     std::vector<double> step_t;   // all decode steps of all repetitions
     std::vector<bool>   step_obs; // whether that step observed
@@ -636,6 +641,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         for (int32_t k = 0; k < 4; ++k) {
             r.perf_ms_pp += (perf1[k] - perf0[k])/params.reps;
         }
+        r.wait_ms_pp += (perf1[4] - perf0[4])/params.reps;
         if (r.n_gen > 0) {
             llama_token tok = r.n_depth + r.n_prompt > 0 ? kvbench_argmax(ctx, n_vocab) : tokens[0];
             // the physical limit: the full cache prefilled (untimed) with as many tokens as the mean layer budget
@@ -716,11 +722,12 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
         double sum_ms2 = sum_ms1, sum_bins2 = sum_bins1;
         sum_now(sum_ms2, sum_bins2);
         r.sum_ms_tg += (sum_ms2 - sum_ms1)/params.reps;
-        double perf2[4] = { perf1[0], perf1[1], perf1[2], perf1[3] };
+        double perf2[5] = { perf1[0], perf1[1], perf1[2], perf1[3], perf1[4] };
         perf_now(perf2);
         for (int32_t k = 0; k < 4; ++k) {
             r.perf_tg[k] += (perf2[k] - perf1[k])/params.reps;
         }
+        r.wait_ms_tg += (perf2[4] - perf1[4])/params.reps;
         r.sum_bins  += (sum_bins2 - sum_bins0)/params.reps;
     }
 
@@ -896,10 +903,12 @@ static void kvbench_print_json_row(const kvbench_result & r, const std::string &
     printf("\"sum_bins\": %s, \"sum_ms_pp\": %s, \"sum_ms_tg\": %s,%s",
             kvbench_opt(r.summarise, r.sum_bins, "%.1f", "null").c_str(), kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "null").c_str(),
             kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "null").c_str(), sep);
-    printf("\"host_ms_pp\": %s, \"host_ms_tg\": %s, \"host_ms_tg_parts\": %s,%s",
+    printf("\"host_ms_pp\": %s, \"host_ms_tg\": %s, \"host_ms_tg_parts\": %s, \"host_wait_ms_pp\": %s, \"host_wait_ms_tg\": %s,%s",
             kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "null").c_str(),
             kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "null").c_str(),
-            r.perf && !r.tg_ts.empty() ? kvbench_json_list(std::vector<double>(r.perf_tg, r.perf_tg + 4)).c_str() : "null", sep);
+            r.perf && !r.tg_ts.empty() ? kvbench_json_list(std::vector<double>(r.perf_tg, r.perf_tg + 4)).c_str() : "null",
+            kvbench_opt(r.perf && !r.pp_ts.empty(), r.wait_ms_pp, "%.3f", "null").c_str(),
+            kvbench_opt(r.perf && !r.tg_ts.empty(), r.wait_ms_tg, "%.3f", "null").c_str(), sep);
     printf("\"limit_depth\": %s, \"limit_tg_ts\": %s, \"limit_tg_ts_sd\": %s, \"limit_tg_samples\": %s, \"tg_limit_ratio\": %s,"
            " \"density\": %.4f}%s\n",
             kvbench_opt(lim, r.limit_depth, "%.0f", "null").c_str(), kvbench_opt(lim, r.limit_tg_ts, "%.3f", "null").c_str(),
@@ -953,14 +962,14 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
     }
     if (params.output == "csv") {
         printf("policy,label,spec,n_prompt,n_gen,n_depth,pp_ts,pp_ts_sd,tg_ts,tg_ts_sd,kv_bytes,kv_bytes_peak,n_evicted,obs_overhead,pp_ratio,tg_ratio,kv_ratio,kv_peak_ratio,"
-               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn,n_gpu_layers\n");
+               "limit_depth,limit_tg_ts,tg_limit_ratio,density,host_bytes_peak,n_freeze,n_host_evict,n_thaw,n_dropped,n_rerank,n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,host_wait_ms_pp,host_wait_ms_tg,n_threads,flash_attn,n_gpu_layers\n");
         for (const auto & r : results) {
             double pp, pp_sd, tg, tg_sd;
             kvbench_mean_sd(r.pp_ts, pp, pp_sd);
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const bool lim = !r.lim_tg_ts.empty();
             printf("%s,\"%s\",\"%s\",%d,%d,%d,%s,%s,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%s,%s,%s,%s,%s,%s,%s,%.4f,"
-                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d\n",
+                   "%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%s,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d\n",
                     r.policy.c_str(), r.label.c_str(), r.spec.c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, pp, "%.3f", "").c_str(), kvbench_fig(r.pp_ts, pp_sd, "%.3f", "").c_str(),
                     kvbench_fig(r.tg_ts, tg, "%.3f", "").c_str(), kvbench_fig(r.tg_ts, tg_sd, "%.3f", "").c_str(),
@@ -974,7 +983,9 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
                     ggml_type_name(r.type_k), ggml_type_name(r.type_v), kvbench_opt(r.summarise, r.sum_bins, "%.1f", "").c_str(),
                     kvbench_opt(r.summarise, r.sum_ms_pp, "%.2f", "").c_str(), kvbench_opt(r.summarise, r.sum_ms_tg, "%.2f", "").c_str(),
                     kvbench_opt(r.perf && !r.pp_ts.empty(), r.perf_ms_pp, "%.3f", "").c_str(),
-                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(), r.n_threads,
+                    kvbench_opt(r.perf && !r.tg_ts.empty(), kvbench_perf_tg(r), "%.3f", "").c_str(),
+                    kvbench_opt(r.perf && !r.pp_ts.empty(), r.wait_ms_pp, "%.3f", "").c_str(),
+                    kvbench_opt(r.perf && !r.tg_ts.empty(), r.wait_ms_tg, "%.3f", "").c_str(), r.n_threads,
                     kvbench_fa_name(r.flash_attn), r.n_gpu_layers);
         }
         return;
@@ -1044,8 +1055,8 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
         any_perf = any_perf || r.perf;
     }
     if (any_perf) {
-        printf("\n| policy | p | n | d | policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |\n");
-        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        printf("\n| policy | p | n | d | policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step | wait ms, prompt / per token |\n");
+        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (const auto & r : results) {
             if (!r.perf) {
                 continue;
@@ -1054,11 +1065,12 @@ static void kvbench_print(const kvbench_params & params, const std::string & mod
             kvbench_mean_sd(r.tg_ts, tg, tg_sd);
             const double n = r.n_gen > 0 ? (double) r.n_gen : 1.0;
             const double per_tok = kvbench_perf_tg(r)/n;
-            printf("| %s | %d | %d | %d | %s | %s | %s | %s | %s | %s |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth,
+            printf("| %s | %d | %d | %d | %s | %s | %s | %s | %s | %s | %s / %s |\n", label(r).c_str(), r.n_prompt, r.n_gen, r.n_depth,
                     kvbench_fig(r.pp_ts, r.perf_ms_pp, "%.1f", "-").c_str(), kvbench_fig(r.tg_ts, per_tok, "%.3f", "-").c_str(),
                     kvbench_fig(r.tg_ts, r.perf_tg[0]/n, "%.3f", "-").c_str(), kvbench_fig(r.tg_ts, r.perf_tg[1]/n, "%.3f", "-").c_str(),
                     kvbench_fig(r.tg_ts, r.perf_tg[2]/n, "%.3f", "-").c_str(),
-                    kvbench_opt(!r.tg_ts.empty() && tg > 0.0, per_tok*tg/1000.0, "%.3f", "-").c_str());
+                    kvbench_opt(!r.tg_ts.empty() && tg > 0.0, per_tok*tg/1000.0, "%.3f", "-").c_str(),
+                    kvbench_fig(r.pp_ts, r.wait_ms_pp, "%.1f", "-").c_str(), kvbench_fig(r.tg_ts, r.wait_ms_tg/n, "%.3f", "-").c_str());
         }
     }
     // summarise's own time on the host: reading leavers, fitting and writing centroids

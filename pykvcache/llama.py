@@ -524,7 +524,8 @@ class Llama(llama_cpp.Llama):
         if lib.llama_kvp_perf(self._native_ctx(), out) != 0:
             raise PolicyError(last_error())
         return KVPerf(t_prepare_ms=float(out.t_prepare_ms), t_slot_ms=float(out.t_slot_ms),
-                      t_input_ms=float(out.t_input_ms), t_settle_ms=float(out.t_settle_ms), n_ubatch=int(out.n_ubatch))
+                      t_input_ms=float(out.t_input_ms), t_settle_ms=float(out.t_settle_ms), n_ubatch=int(out.n_ubatch),
+                      t_wait_ms=float(out.t_wait_ms))
 
     @exclusive
     def kv_perf_reset(self) -> None:

@@ -213,17 +213,20 @@ class KVPerf:
 
     Summed since the context was created or kv_perf_reset(): before each ubatch deciding and evicting (`t_prepare_ms`,
     the fate stage's work included) and placing its cells (`t_slot_ms`), setting the graph inputs it adds
-    (`t_input_ms`), and settling a prompt's end (`t_settle_ms`)."""
+    (`t_input_ms`), and settling a prompt's end (`t_settle_ms`). Apart (`t_wait_ms`, not in those): the time it waited
+    in them for a backend that computes asynchronously (a GPU, an RPC server) to finish earlier graphs before reading
+    what they wrote; ~0 on the CPU."""
 
     t_prepare_ms: float
     t_slot_ms: float
     t_input_ms: float
     t_settle_ms: float
     n_ubatch: int
+    t_wait_ms: float = 0.0
 
     @property
     def t_ms(self) -> float:
-        """All of it."""
+        """All of the policy's own host time (the waits apart)."""
         return self.t_prepare_ms + self.t_slot_ms + self.t_input_ms + self.t_settle_ms
 
     def to_dict(self) -> Dict[str, Any]:

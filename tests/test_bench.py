@@ -20,7 +20,7 @@ RESULT_FIELDS = {
     "policy", "label", "spec", "n_prompt", "n_gen", "n_depth", "pp_ts", "pp_ts_sd", "pp_samples", "tg_ts", "tg_ts_sd",
     "tg_samples", "kv_bytes", "kv_bytes_peak", "kv_layer_bytes", "kv_layer_cells", "n_evicted", "obs_overhead",
     "n_obs_steps", "pp_ratio", "tg_ratio", "kv_ratio", "kv_peak_ratio", "density", "host_ms_pp", "host_ms_tg",
-    "host_ms_tg_parts",
+    "host_ms_tg_parts", "host_wait_ms_pp", "host_wait_ms_tg",
 }
 
 
@@ -51,8 +51,11 @@ def test_kvbench_tiny_run_emits_valid_json_with_every_field(model_path):
     assert full["kv_ratio"] == 1.0 and full["pp_ratio"] == 1.0 and full["n_evicted"] == 0
     # the policy's own host time: none for llama.cpp's cache; by part (prepare, slots, inputs, settle) for a policy
     assert full["host_ms_pp"] is None and full["host_ms_tg"] is None and full["host_ms_tg_parts"] is None
+    assert full["host_wait_ms_pp"] is None and full["host_wait_ms_tg"] is None
     for r in rows[2:]:
         assert r["host_ms_pp"] > 0 and r["host_ms_tg"] > 0
+        # waits for earlier graphs, apart: the CPU backend has finished each graph when llama_decode goes on
+        assert 0 <= r["host_wait_ms_pp"] < 0.2 * r["host_ms_pp"] and 0 <= r["host_wait_ms_tg"] < 0.2 * r["host_ms_tg"]
         assert sum(r["host_ms_tg_parts"]) == pytest.approx(r["host_ms_tg"], abs=2e-3)
         assert r["host_ms_tg"] < r["n_gen"] * 1e3 / min(r["tg_samples"])  # a part of the decode steps' time
     ent = rows[3]  # depth 64: 160 tokens on a budget of 48
@@ -95,7 +98,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     assert "| policy host ms, prompt | per decoded token: ms | prepare | slots | inputs | x step |" in md
     csv = kvbench(*args, "-o", "csv", model_path=model_path).stdout.splitlines()
     assert "limit_depth,limit_tg_ts,tg_limit_ratio,density," in csv[0]
-    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,n_threads,flash_attn,n_gpu_layers")
+    assert csv[0].endswith("n_promote,n_ctx,type_k,type_v,sum_bins,sum_ms_pp,sum_ms_tg,host_ms_pp,host_ms_tg,host_wait_ms_pp,host_wait_ms_tg,n_threads,flash_attn,n_gpu_layers")
     assert len(csv) == 5 and all(len(row) == csv[0].count(",") + 1 for row in csv_module.reader(csv[1:]))
     none = json.loads(kvbench(*args, "-o", "json", "--no-limit", model_path=model_path).stdout)
     assert none["limits"] == [] and all(r["tg_limit_ratio"] is None for r in none["results"])

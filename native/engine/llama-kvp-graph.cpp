@@ -24,7 +24,7 @@ public:
         llm_graph_input_attn_kv(hparams, cparams, mctx0) {}
 
     void set_input(const llama_ubatch * ubatch) override {
-        llama_kvp_perf_scope t(mem && mem->st ? &mem->st->perf.t_input_ms : nullptr);
+        llama_kvp_perf_scope t(mem ? mem->st : nullptr, &llama_kvp_perf_data::t_input_ms);
         for (size_t ikv = 0; ikv < per_layer.size(); ++ikv) {
             auto & inp = per_layer[ikv];
             // the upstream setters write a layer's part of each packed input through a host tensor shaped as its view

@@ -164,17 +164,18 @@ struct llama_kvp_gather_state_deleter {
     void operator()(llama_kvp_gather_state * s) const;
 };
 
-// adds the wall time of its scope to one of llama_kvp_perf_data's totals (none: nullptr)
-struct llama_kvp_perf_scope {
-    explicit llama_kvp_perf_scope(double * t_ms) : t_ms(t_ms), t0(t_ms ? ggml_time_us() : 0) {}
-    ~llama_kvp_perf_scope() {
-        if (t_ms) {
-            *t_ms += 1e-3*(double) (ggml_time_us() - t0);
-        }
-    }
+struct llama_kvp_context;
 
-    double * const t_ms;
-    const int64_t  t0;
+// adds the wall time of its scope to one of the policy's llama_kvp_perf_data totals (none: st null), less the time
+// llama_kvp_sync waited in it for the backends, which goes to t_wait_ms (an outer scope counts it once)
+struct llama_kvp_perf_scope {
+    llama_kvp_perf_scope(llama_kvp_context * st, double llama_kvp_perf_data::* part);
+    ~llama_kvp_perf_scope();
+
+    llama_kvp_context * const st;
+    double llama_kvp_perf_data::* const part;
+    const int64_t t0;
+    int64_t       wait0 = 0;
 };
 
 struct llama_kvp_context {
@@ -226,6 +227,8 @@ struct llama_kvp_context {
     std::unique_ptr<llama_kvp_gather_state, llama_kvp_gather_state_deleter> gather; // made by the first gather off the host
 
     llama_kvp_perf_data perf = {}; // the policy's host time (llama_kvp_perf)
+    int64_t t_sync_us  = 0;        // llama_kvp_sync's waits so far, timed or not
+    int32_t perf_depth = 0;        // perf scopes open now
 
     llama_kvp_context(const llama_model & model) : model(model) {}
 

@@ -501,7 +501,7 @@ void llama_kvp_memory::ubatch_done(const llama_ubatch & ubatch) {
     }
     // what the next step's preparation would do first, with the same budgets and observations (a decode step or a
     // chunk then finds nothing to evict)
-    llama_kvp_perf_scope t(st ? &st->perf.t_settle_ms : nullptr);
+    llama_kvp_perf_scope t(st, &llama_kvp_perf_data::t_settle_ms);
     decide_budgets();
     ubatch_ends = true;
     evict_layers(1, true);
@@ -1453,14 +1453,13 @@ bool llama_kvp_memory_context::apply() {
     const llama_ubatch & ubatch = ubatches[i_cur];
 
     mem->seq_use(mem->n_seq() > 1 && ubatch.n_tokens > 0 ? ubatch.seq_id[0][0] : 0);
-    llama_kvp_perf_data * perf = mem->st ? &mem->st->perf : nullptr;
     {
-        llama_kvp_perf_scope t(perf ? &perf->t_prepare_ms : nullptr);
+        llama_kvp_perf_scope t(mem->st, &llama_kvp_perf_data::t_prepare_ms);
         mem->prepare_ubatch(ubatch.n_tokens);
     }
-    llama_kvp_perf_scope t(perf ? &perf->t_slot_ms : nullptr);
-    if (perf) {
-        perf->n_ubatch++;
+    llama_kvp_perf_scope t(mem->st, &llama_kvp_perf_data::t_slot_ms);
+    if (mem->st) {
+        mem->st->perf.n_ubatch++;
     }
     ctxs.clear();
     for (auto & L : mem->layers) {

@@ -634,7 +634,7 @@ static bool llama_kvp_slot_valid(llama_pos p, llama_pos p_max, int32_t W) {
 }
 
 void llama_kvp_obs_input::set_input(const llama_ubatch * ubatch) {
-    llama_kvp_perf_scope t(&st->perf.t_input_ms);
+    llama_kvp_perf_scope t(st, &llama_kvp_perf_data::t_input_ms);
     const int32_t W = st->policy.window;
 
     // ring slots of the last n_write tokens
@@ -1135,7 +1135,28 @@ void llama_kvp_graph_observe(
 
 void llama_kvp_sync(llama_kvp_context * st) {
     if (st->lctx) {
+        const int64_t t0 = ggml_time_us();
         ggml_backend_sched_synchronize(st->lctx->get_sched());
+        st->t_sync_us += ggml_time_us() - t0;
+    }
+}
+
+llama_kvp_perf_scope::llama_kvp_perf_scope(llama_kvp_context * st, double llama_kvp_perf_data::* part) :
+        st(st), part(part), t0(st ? ggml_time_us() : 0) {
+    if (st) {
+        wait0 = st->t_sync_us;
+        st->perf_depth++;
+    }
+}
+
+llama_kvp_perf_scope::~llama_kvp_perf_scope() {
+    if (!st) {
+        return;
+    }
+    const int64_t wait = st->t_sync_us - wait0;
+    st->perf.*part += 1e-3*(double) (ggml_time_us() - t0 - wait);
+    if (--st->perf_depth == 0) {
+        st->perf.t_wait_ms += 1e-3*(double) wait;
     }
 }
 

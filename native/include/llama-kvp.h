@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 21
+#define LLAMA_KVP_API_VERSION 22
 
 #ifdef __cplusplus
 extern "C" {
@@ -315,12 +315,15 @@ LLAMA_KVP_API int32_t llama_kvp_memory_info(struct llama_context * ctx, struct l
 LLAMA_KVP_API int32_t llama_kvp_reset_peak(struct llama_context * ctx);
 
 // host time of the policy: the memory's and the observation's own work around llama.cpp's graphs (as
-// llama_perf_context_data times llama.cpp's), summed since the context was created or llama_kvp_perf_reset
+// llama_perf_context_data times llama.cpp's), summed since the context was created or llama_kvp_perf_reset. A backend
+// that computes asynchronously (a GPU, an RPC server) may still be running the previous graph when the policy reads
+// what it wrote (observations, K/V): that wait is t_wait_ms, and the four parts do not count it
 struct llama_kvp_perf_data {
     double  t_prepare_ms; // before each ubatch: budgets, the schedule, evictions and the fate stage's work (reads, fits, moves)
     double  t_slot_ms;    // before each ubatch: its cells found in every layer's cache
     double  t_input_ms;   // graph inputs the policy sets: per-layer cell indices and masks, the observation's inputs
     double  t_settle_ms;  // after a prompt's last ubatch: its end evicted there (a fate stage that settles it)
+    double  t_wait_ms;    // within those parts: waiting for the backends to finish earlier graphs (~0 on the CPU)
     int32_t n_ubatch;     // ubatches a retention policy's memory prepared (0 without one)
 };
 
