@@ -7,7 +7,8 @@
 # Run with the kit of docs/results/gpu/NOTE.md (scripts/gpu-kit.sh, the whole model in three parts). kvbench's JSON
 # now carries the policy's own host time per decoded token by part (host_ms_tg, host_ms_tg_parts: prepare, slots,
 # inputs, settle; llama_kvp_perf), so each row says how much of its step is the policy's host work and how much the
-# device's: bench/gpu_results.py prints it beside the speeds.
+# device's: bench/gpu_results.py prints it beside the speeds. Since the 30th session the time the policy waited in it for
+# the device's earlier graphs is apart (host_wait_ms_pp / host_wait_ms_tg), so host work and device compute separate.
 set -u
 source scripts/gpu-full-model.sh  # the kit's binaries, the joined model (B, M, T, LD_LIBRARY_PATH)
 L=$OUT/run.log
@@ -21,3 +22,7 @@ done
 # the same on the machine's CPU (-ngl 0), for the fate's own host time without device transfers
 timeout 150 $B/kvbench -m $M -ngl 0 -t 16 -p 4096 -n 256 -r 2 -o json --no-limit -f $T --policy snapkv:budget=0.1 \
   --policy snapkv:budget=0.1+summarise > $OUT/kvbench-cpu.json 2>> $L; say "cpu rc=$?"
+# the freeze preset (7.7-8.0 t/s at 8k in the third run, cause open): its host time per token after the 30th session's
+# cheaper cell moves, and how much of its step is waiting for the device (host_wait_ms_tg)
+timeout 120 $B/kvbench -m $M -ngl 99 -t 16 -p 4096 -n 64 -r 1 -o json --no-limit -f $T --policy freeze \
+  > $OUT/kvbench-freeze.json 2>> $L; say "freeze rc=$?"
