@@ -102,6 +102,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--stream", type=int, default=256)
     ap.add_argument("--needle-lengths", default="2048", help="needle prompt lengths (tokens), comma-separated")
     ap.add_argument("--needle-budget", type=float, default=0.1, help="the budget at which needles run")
+    ap.add_argument("--needles", default="classic",
+                    help="needle sets, comma-separated: classic (a 4-digit magic number), varied (other facts and values)")
+    ap.add_argument("--needle-seeds", default=str(EvalConfig.seed),
+                    help="seeds of the needles' values and places, comma-separated (each a prompt per depth and length)")
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens timed after the streamed text")
     ap.add_argument("--attn-queries", type=int, default=32,
                     help="held-out queries (the first streamed tokens) for the attention output per layer")
@@ -125,11 +129,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in cfg.policies:
             for frac in cfg.budgets:
                 parse_policy(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise)
+        kinds = a.needles.split(",")
+        if not kinds or any(k not in ("classic", "varied") for k in kinds):
+            raise ValueError(f"--needles takes classic and/or varied, comma-separated (got {a.needles!r})")
+        try:
+            seeds = [int(x) for x in a.needle_seeds.split(",")]
+        except ValueError:
+            raise ValueError(f"--needle-seeds takes integers, comma-separated (got {a.needle_seeds!r})") from None
     except (ValueError, PolicyError) as exc:
         ap.error(str(exc))
     full = Runner(None, cfg)
     tokens, hay = eval_texts(cfg, full.llm)
-    cases = [c for n in cfg.needle_lengths for c in needle_cases(full.llm, hay, n, cfg.depths, cfg.seed)]
+    cases = [c for kind in kinds for seed in seeds for n in cfg.needle_lengths
+             for c in needle_cases(full.llm, hay, n, cfg.depths, seed, kind=kind)]
     ref = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     t0 = time.perf_counter()
     full.greedy(a.n_gen)
@@ -174,7 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     res = {"command": "python bench/summarise.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": a.threads, "kl_tokens": cfg.kl_tokens,
-           "stream": cfg.stream, "attn_queries": a.attn_queries, "needle_lengths": cfg.needle_lengths, "rows": rows}
+           "stream": cfg.stream, "attn_queries": a.attn_queries, "needle_lengths": cfg.needle_lengths, "needles": kinds,
+           "needle_seeds": seeds, "rows": rows}
     print(markdown(res))
     if a.output:
         with open(a.output, "w") as f:

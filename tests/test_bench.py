@@ -544,6 +544,8 @@ def test_harness_on_the_second_corpus_with_varied_needles(model_path):
 @pytest.mark.parametrize("script, args, message", [
     ("summarise.py", ["--policies", "sink_recent"], "summarise needs a score stage that observes"),
     ("summarise.py", ["--policies", "snapkv", "-o", "/nonexistent-dir/x.json"], "the folder /nonexistent-dir does not exist"),
+    ("summarise.py", ["--needles", "classic,odd"], "--needles takes classic and/or varied"),
+    ("summarise.py", ["--needle-seeds", "1,x"], "--needle-seeds takes integers"),
     ("decode_limit.py", ["--policies", ""], "--policies: no policy given"),
     ("decode_limit.py", ["-n", "0"], "-p and -n must be >= 1"),
     ("prefix_reuse.py", ["-b", "2.5"], "-b 2.5: snapkv: a budget >= 1 is a token count"),
