@@ -334,8 +334,8 @@ static void kvbench_usage(const char * argv0) {
     printf("(budgets, scores, evictions, the fate stage's work), slots (each layer's cells for the ubatch), inputs (per-layer\n");
     printf("masks and cell indices, the observation's inputs), settle (a prompt's end settled after its last ubatch, summarise);\n");
     printf("host_ms_tg_parts lists the four in that order; `x step` is its share of the mean decode step. wait (host_wait_ms_*):\n");
-    printf("the time the policy's code waited in those parts for a backend that computes asynchronously (a GPU, an RPC server)\n");
-    printf("to finish earlier graphs before reading what they wrote; not counted in the host time (~0 on the CPU).\n");
+    printf("the time the policy's code waited in those parts for a GPU to finish earlier graphs before reading what they\n");
+    printf("wrote; not counted in the host time (~0 on the CPU; over RPC it stays in the host time).\n");
 
     const int32_t n = llama_kvp_policy_help(nullptr, 0);
     std::vector<char> buf(n + 1);

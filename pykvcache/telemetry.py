@@ -214,8 +214,8 @@ class KVPerf:
     Summed since the context was created or kv_perf_reset(): before each ubatch deciding and evicting (`t_prepare_ms`,
     the fate stage's work included) and placing its cells (`t_slot_ms`), setting the graph inputs it adds
     (`t_input_ms`), and settling a prompt's end (`t_settle_ms`). Apart (`t_wait_ms`, not in those): the time it waited
-    in them for a backend that computes asynchronously (a GPU, an RPC server) to finish earlier graphs before reading
-    what they wrote; ~0 on the CPU."""
+    in them for a GPU to finish earlier graphs before reading what they wrote; ~0 on the CPU (over RPC the wait stays
+    in the parts: ggml-rpc's synchronize does not wait for the server)."""
 
     t_prepare_ms: float
     t_slot_ms: float

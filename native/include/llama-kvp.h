@@ -316,8 +316,9 @@ LLAMA_KVP_API int32_t llama_kvp_reset_peak(struct llama_context * ctx);
 
 // host time of the policy: the memory's and the observation's own work around llama.cpp's graphs (as
 // llama_perf_context_data times llama.cpp's), summed since the context was created or llama_kvp_perf_reset. A backend
-// that computes asynchronously (a GPU, an RPC server) may still be running the previous graph when the policy reads
-// what it wrote (observations, K/V): that wait is t_wait_ms, and the four parts do not count it
+// that computes asynchronously (a GPU) may still be running the previous graph when the policy synchronizes to read
+// what it wrote (observations, K/V): that wait is t_wait_ms, and the four parts do not count it (over RPC the wait
+// happens in the first read instead, ggml-rpc's synchronize not waiting for the server, and stays in the parts)
 struct llama_kvp_perf_data {
     double  t_prepare_ms; // before each ubatch: budgets, the schedule, evictions and the fate stage's work (reads, fits, moves)
     double  t_slot_ms;    // before each ubatch: its cells found in every layer's cache
