@@ -105,7 +105,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--needles", default="classic",
                     help="needle sets, comma-separated: classic (a 4-digit magic number), varied (other facts and values)")
     ap.add_argument("--needle-seeds", default=str(EvalConfig.seed),
-                    help="seeds of the needles' values and places, comma-separated (each a prompt per depth and length)")
+                    help="seeds of the needles' values (and the varied set's places), comma-separated: each gives a fact "
+                         "per depth and length in the same haystack positions")
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens timed after the streamed text")
     ap.add_argument("--attn-queries", type=int, default=32,
                     help="held-out queries (the first streamed tokens) for the attention output per layer")
@@ -130,17 +131,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             for frac in cfg.budgets:
                 parse_policy(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise)
         kinds = a.needles.split(",")
-        if not kinds or any(k not in ("classic", "varied") for k in kinds):
-            raise ValueError(f"--needles takes classic and/or varied, comma-separated (got {a.needles!r})")
+        if any(k not in ("classic", "varied") for k in kinds) or len(set(kinds)) < len(kinds):
+            raise ValueError(f"--needles takes classic and/or varied, comma-separated, each once (got {a.needles!r})")
         try:
             seeds = [int(x) for x in a.needle_seeds.split(",")]
         except ValueError:
             raise ValueError(f"--needle-seeds takes integers, comma-separated (got {a.needle_seeds!r})") from None
+        if len(set(seeds)) < len(seeds):
+            raise ValueError(f"--needle-seeds: each seed once (got {a.needle_seeds!r})")
     except (ValueError, PolicyError) as exc:
         ap.error(str(exc))
     full = Runner(None, cfg)
     tokens, hay = eval_texts(cfg, full.llm)
-    cases = [c for kind in kinds for seed in seeds for n in cfg.needle_lengths
+    cases = [dict(c, kind=kind, seed=seed) for kind in kinds for seed in seeds for n in cfg.needle_lengths
              for c in needle_cases(full.llm, hay, n, cfg.depths, seed, kind=kind)]
     ref = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     t0 = time.perf_counter()
@@ -159,20 +162,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             b = int(round(frac * n_prefix))
             needles = abs(frac - a.needle_budget) < 1e-9
 
-            def at(budget_frac: float, extra: str = "", minus: float = 0.0) -> Any:
-                return lambda n: (policy_spec(name, int(round(budget_frac * n - minus))) or "") + extra
+            def at(budget_frac: float, extra: str = "", minus_cells: float = 0.0) -> Any:
+                # for an n-token needle prompt: the budget's share of it, less the KL prompt's centroid cells scaled to n
+                return lambda n: (policy_spec(name, int(round(budget_frac * n - minus_cells * n / n_prefix))) or "") + extra
 
             drop = run(cfg, policy_spec(name, b), tokens, ref, a.n_gen, held)
             summ = run(cfg, policy_spec(name, b) + "+" + a.summarise, tokens, ref, a.n_gen, held)
             c = summ["centroids_per_layer"]
             fair = run(cfg, policy_spec(name, max(int(round(b - c)), 1)), tokens, ref, a.n_gen, held)
             if needles:
-                for row, spec_of in ((drop, at(frac)), (summ, at(frac, "+" + a.summarise)),
-                                     (fair, at(frac, "", c * cfg.needle_lengths[0] / n_prefix))):
-                    hits: List[bool] = []
+                for row, spec_of in ((drop, at(frac)), (summ, at(frac, "+" + a.summarise)), (fair, at(frac, "", c))):
+                    hits: List[Optional[bool]] = [None] * len(cases)  # in the cases' order, as the full cache's
                     for n in cfg.needle_lengths:
+                        idx = [i for i, x in enumerate(cases) if x["length"] == n]
                         rn = Runner(spec_of(n), cfg)
-                        hits += needle_hits(rn, [x for x in cases if x["length"] == n])
+                        for i, hit in zip(idx, needle_hits(rn, [cases[i] for i in idx])):
+                            hits[i] = hit
                         rn.close()
                     row["needle_hits"] = hits
             for row, kind in ((drop, "drop"), (summ, "summarise"), (fair, "drop, FAIR")):
@@ -187,7 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     res = {"command": "python bench/summarise.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": a.threads, "kl_tokens": cfg.kl_tokens,
            "stream": cfg.stream, "attn_queries": a.attn_queries, "needle_lengths": cfg.needle_lengths, "needles": kinds,
-           "needle_seeds": seeds, "rows": rows}
+           "needle_seeds": seeds, "needle_cases": [{k: c[k] for k in ("kind", "seed", "length", "depth", "answer")} for c in cases],
+           "rows": rows}
     print(markdown(res))
     if a.output:
         with open(a.output, "w") as f:
