@@ -687,7 +687,9 @@ void llama_kvp_memory::cell_free(int32_t ikv, uint32_t idx) {
     if (p < 0) {
         return;
     }
-    L.bias.erase(p);
+    if (L.bias.erase(p) > 0) {
+        L.bias_cells.clear();
+    }
     llama_kvp_kv_access::cell_rm(*L.kv, idx);
 }
 
@@ -698,6 +700,7 @@ int32_t llama_kvp_memory::cell_place(int32_t ikv, llama_pos pos, float bias) {
         if (llama_kvp_kv_access::cell_pos(*L.kv, i) < 0) {
             llama_kvp_kv_access::cell_set(*L.kv, i, pos, seq_cur);
             L.bias[pos] = bias;
+            L.bias_cells.clear();
             if (st) {
                 llama_kvp_obs_layer_forget(st, ikv, pos, pos + 1); // a new token in this cell: not observed yet
             }
@@ -811,12 +814,12 @@ void llama_kvp_memory::mask_add_bias(int32_t ikv, void * data, bool f16, int64_t
     if (L.bias.empty()) {
         return;
     }
-    // the cells of the biased positions: the last ones found while they still hold them, else a scan
+    // the cells of the biased positions: the last ones found while they still hold them, else a scan (every change
+    // of `bias` empties bias_cells, so only the cells can have moved: a resize, a compaction, a state load)
     bool valid = L.bias_cells.size() == L.bias.size();
     for (size_t i = 0; valid && i < L.bias_cells.size(); ++i) {
         const auto & c = L.bias_cells[i];
-        const auto it = L.bias.find(c.pos);
-        valid = it != L.bias.end() && it->second == c.bias && llama_kvp_kv_access::cell_pos(*L.kv, c.idx) == c.pos;
+        valid = llama_kvp_kv_access::cell_pos(*L.kv, c.idx) == c.pos;
     }
     if (!valid) {
         L.bias_cells.clear();
@@ -972,6 +975,7 @@ void llama_kvp_memory::clear_cur(bool data) {
     for (auto & L : layers) {
         L.kv->clear(data);
         L.bias.clear();
+        L.bias_cells.clear();
     }
     stage_fate->forget(*this, 0, -1);
     if (stage_schedule) {
@@ -1013,6 +1017,7 @@ bool llama_kvp_memory::seq_rm_cur(llama_pos p0, llama_pos p1) {
         auto & bias = layers[i].bias;
         for (auto it = bias.lower_bound(std::max<llama_pos>(p0, 0)); it != bias.end() && (p1 < 0 || it->first < p1); ) {
             it = bias.erase(it);
+            layers[i].bias_cells.clear();
         }
     }
     stage_fate->forget(*this, p0, p1);
@@ -1397,6 +1402,7 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
             throw std::runtime_error("pykvcache: corrupt mask biases in the state");
         }
         L.bias.clear();
+        L.bias_cells.clear();
         for (uint32_t j = 0; j < nb; ++j) {
             llama_pos p = 0;
             float     b = 0.0f;

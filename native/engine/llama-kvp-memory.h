@@ -33,7 +33,8 @@ struct llama_kvp_mem_layer {
     // mask gets (log of the tokens a cell stands for)
     std::map<llama_pos, float> bias;
 
-    // the cells holding those positions, as last found (mask_add_bias checks and refinds them)
+    // the cells holding those positions, as last found (emptied by every change of `bias`; mask_add_bias checks that
+    // the cells still hold them and refinds them)
     struct bias_cell {
         uint32_t  idx;
         llama_pos pos;
