@@ -4,7 +4,9 @@ A context created with `n_seq_max=N` holds N sequences (each with caches of its 
 `SequenceView` is the `Llama` seen through one sequence: llama-cpp-python's whole completion path (chat templates,
 sampling, stop strings, streaming) runs on it unchanged, while its decode calls and cache edits go to its sequence.
 Views take turns: a view holds the context from a decode until it has sampled from that decode's logits (the
-sampler reads the context's last logits), so requests on different views advance token by token, interleaved.
+sampler reads the context's last logits), so requests on different views advance token by token, interleaved. The
+`Llama` they came from takes the same turns, one per call (pykvcache/threads.py), so it can run beside them in another
+thread; a view's call that reads or edits its caches outside a generation holds a turn until it ends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.holder: Optional[object] = None
+        self.holder_thread: Optional[int] = None
 
     def take(self, token: object) -> None:
         """Wait for the context unless `token` holds it already."""
@@ -33,12 +36,18 @@ class Turns:
             return
         self._lock.acquire()
         self.holder = token
+        self.holder_thread = threading.get_ident()
 
     def give(self, token: object) -> None:
         """Release the context if `token` holds it."""
         if self.holder is token:
             self.holder = None
+            self.holder_thread = None
             self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the context."""
+        return self.holder is not None and self.holder_thread == threading.get_ident()
 
 
 class _SequenceContext:
@@ -98,9 +107,11 @@ class SequenceView(Llama):
 
     def _native_ctx(self) -> Any:
         # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence; inside
-        # `generate` they take the turn, elsewhere their caller holds it (eval, kv_sequence_stats)
+        # `generate` they take the turn, elsewhere the view's call holds it until it ends (unless its caller did)
         if self._generating:
             self._take()
+        elif not self._turns.held_here():
+            self._exclusive.hold(self._turns, self._turn)
         ctx = super()._native_ctx()
         if self._kv_policy is not None and self._kv_policy.retains:
             native()[1].llama_kvp_seq_select(ctx, self.seq)
@@ -140,7 +151,10 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 
     n_seq = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))
     n_ctx_seq = llm.n_ctx() // n_seq
-    turns = Turns()
+    # one Turns per context, shared by the Llama (a turn per call) and every view made of it
+    if not isinstance(llm._exclusive.turns, Turns):
+        llm._exclusive.turns = Turns()
+    turns = llm._exclusive.turns
     views = []
     for s in range(n_seq):
         # the same attributes, not a copy.copy: llama-cpp-python's __setstate__ would load the model and build a context

@@ -6,8 +6,10 @@ marks the thread running one of its methods (nested calls of that thread go on);
 raises `ConcurrentUseError`. Only the running steps count: a stream that is paused between two tokens holds nothing,
 so a stream may be consumed from worker threads one token at a time (as web servers do). A generation paused while
 another call changed the cache (a generation, eval, generate_batch, load_state or embed) is refused when it resumes
-(`Llama.generate`), so interleaved calls never mix their tokens. A `Llama` and its sequence views share one context:
-use the views or the `Llama` at a time (the server's views take turns, and its stats take a turn too).
+(`Llama.generate`), so interleaved calls never mix their tokens. A `Llama` and its sequence views share one context
+and one `Turns` (pykvcache/parallel.py): each call of the `Llama`, and each step of its generator methods, waits for
+the context's turn unless its thread holds it already, as the views' decodes and reads do, so the `Llama` and its views
+may run in threads of their own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Generator, Optional, TypeVar
+from typing import Any, Callable, Generator, Optional, Protocol, Tuple, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,13 +26,27 @@ class ConcurrentUseError(RuntimeError):
     """A `Llama` was called from a second thread while another thread's call was running in it."""
 
 
+class SharedTurns(Protocol):
+    """The turns on a context that several objects share (pykvcache.parallel.Turns)."""
+
+    def take(self, token: object) -> None: ...
+
+    def give(self, token: object) -> None: ...
+
+    def held_here(self) -> bool: ...
+
+
 class Exclusive:
-    """Which thread runs in an object now, with the depth of its nested calls."""
+    """Which thread runs in an object now, with the depth of its nested calls; with `turns`, each outermost call also
+    holds the shared context's turn (under `token`) unless its thread holds it already."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: Optional[int] = None
         self._depth = 0
+        self.turns: Optional[SharedTurns] = None  # set by pykvcache.parallel.sequence_views on the Llama
+        self.token = object()
+        self._held: Optional[Tuple[SharedTurns, object]] = None  # given back when the outermost call ends
 
     def enter(self, what: str) -> None:
         """Mark the calling thread as running, or raise ConcurrentUseError if another thread runs."""
@@ -43,13 +59,34 @@ class Exclusive:
                     "sequence views (pykvcache.parallel.sequence_views, as `pykvcache serve --n_parallel` does)")
             self._thread = me
             self._depth += 1
+            first = self._depth == 1
+        if first and self.turns is not None and not self.turns.held_here():
+            try:
+                self.turns.take(self.token)
+            except BaseException:
+                self.leave()
+                raise
+            self._held = (self.turns, self.token)
+
+    def hold(self, turns: SharedTurns, token: object) -> bool:
+        """Take `turns` under `token` until the calling thread's outermost call ends (False: no call of it runs)."""
+        with self._lock:
+            if self._depth == 0 or self._thread != threading.get_ident():
+                return False
+        turns.take(token)
+        self._held = (turns, token)
+        return True
 
     def leave(self) -> None:
         """End the calling thread's innermost call."""
         with self._lock:
             self._depth -= 1
+            held = None
             if self._depth == 0:
                 self._thread = None
+                held, self._held = self._held, None
+        if held is not None:
+            held[0].give(held[1])
 
 
 def _guard(obj: Any) -> Exclusive:

@@ -136,3 +136,38 @@ def test_two_threads_hammering_one_llama_never_crash_the_process(model_path, tmp
     results = ast.literal_eval(out.stdout.split("RESULTS", 1)[1].splitlines()[0])
     assert len(results) == 8 and set(results) <= {"True", "refused"}, results  # every answer right or refused
     assert "AFTER True" in out.stdout
+
+
+@pytest.mark.parametrize("spec", [None, "snapkv:budget=0.5+summarise"])
+def test_a_llama_and_its_sequence_views_in_threads_of_their_own_take_turns(model_path, tmp_path, spec):
+    # before: the Llama's decodes and a view's ran at once in the shared context (a segfault or a GGML_ASSERT abort)
+    script = tmp_path / "views.py"
+    script.write_text(textwrap.dedent(f"""
+        import threading
+        from pykvcache import Llama
+        from pykvcache.parallel import sequence_views
+        spec, prompts = {spec!r}, {PROMPTS!r}
+        llm = Llama({model_path!r}, n_ctx=1024, n_seq_max=2, n_threads=1, verbose=False, kv_policy=spec)
+        views = sequence_views(llm)
+        text = lambda who, p: who(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+        ref = [text(llm, prompts[0]), text(views[1], prompts[1])]
+        res = []
+        def run(f):
+            for _ in range(4):
+                try:
+                    res.append(str(f()))
+                except Exception as e:
+                    res.append(type(e).__name__)
+        jobs = [lambda: text(llm, prompts[0]) == ref[0], lambda: text(views[1], prompts[1]) == ref[1],
+                lambda: spec is None or views[0].kv_memory().n_active > 0]
+        ts = [threading.Thread(target=run, args=(f,)) for f in jobs]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print("RESULTS", sorted(res))
+        print("AFTER", text(llm, prompts[0]) == ref[0], text(views[1], prompts[1]) == ref[1])
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = ast.literal_eval(out.stdout.split("RESULTS", 1)[1].splitlines()[0])
+    assert results == ["True"] * 12, results  # every answer right, none refused: they waited for their turns
+    assert "AFTER True True" in out.stdout
