@@ -31,8 +31,12 @@ class Turns:
         self.holder_thread: Optional[int] = None
 
     def take(self, token: object) -> None:
-        """Wait for the context unless `token` holds it already."""
+        """Wait for the context unless `token` holds it already; a thread that holds it under another token passes
+        it to `token` (a view's call that read its caches, then starts a generation with a token of its own)."""
         if self.holder is token:
+            return
+        if self.holder is not None and self.holder_thread == threading.get_ident():
+            self.holder = token
             return
         self._lock.acquire()
         self.holder = token

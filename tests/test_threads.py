@@ -171,3 +171,23 @@ def test_a_llama_and_its_sequence_views_in_threads_of_their_own_take_turns(model
     results = ast.literal_eval(out.stdout.split("RESULTS", 1)[1].splitlines()[0])
     assert results == ["True"] * 12, results  # every answer right, none refused: they waited for their turns
     assert "AFTER True True" in out.stdout
+
+
+def test_turns_pass_from_token_to_token_within_a_thread_and_wait_across_threads():
+    from pykvcache.parallel import Turns
+
+    turns, a, b = Turns(), object(), object()
+    turns.take(a)
+    assert turns.held_here()
+    turns.take(b)  # the same thread: passed on, not a deadlock (a view's read, then its generation's own token)
+    assert turns.holder is b
+    turns.give(a)  # no longer a's: nothing happens
+    assert turns.holder is b and turns.held_here()
+    got = []
+    t = threading.Thread(target=lambda: (turns.take(a), got.append(turns.held_here()), turns.give(a)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # another thread waits for the turn
+    turns.give(b)
+    t.join(10)
+    assert got == [True] and turns.holder is None and not turns.held_here()
