@@ -275,6 +275,9 @@ class Llama(llama_cpp.Llama):
                                f"n_ctx={self.context_params.n_ctx}, n_seq_max={self._n_seq_max}, K/V {types}); the "
                                f"context is unchanged") from None
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
+        for other in list(self.__dict__.get("_family", ())):  # its sequence views and the Llama (pykvcache.parallel)
+            if other is not self:  # every sequence was loaded: their token records no longer match their caches
+                other._state_loaded_elsewhere()
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -422,6 +425,8 @@ class Llama(llama_cpp.Llama):
                              "prompt)")
         check_token_ids(tokens, self._n_vocab)  # the prompt's; the sampled ones are the vocabulary's
         pol = self._kv_policy
+        if self.__dict__.pop("_record_stale", False):
+            self.n_tokens = 0  # a state was loaded into this sequence through another view (_state_loaded_elsewhere)
         self._select_own_seq()
         if pol is not None and pol.retains and self._kv_reuse == "exact" and reset and self.n_tokens > 0:
             self._kv_reuse_prefix(list(tokens))
@@ -449,8 +454,9 @@ class Llama(llama_cpp.Llama):
                     # the token record are no longer what this one goes on from
                     raise ConcurrentUseError("this generation was interrupted by another call on the same Llama that "
                                              "changed its cache (a generation, eval, generate_batch, load_state or "
-                                             "embed); a Llama runs one generation at a time (finish or close a stream "
-                                             "before the next call)")
+                                             "embed, or a state loaded through another view of its context); a Llama "
+                                             "runs one generation at a time (finish or close a stream before the next "
+                                             "call)")
                 resume = functools.partial(inner.send, sent)
         except StopIteration as stop:
             return stop.value
@@ -458,6 +464,16 @@ class Llama(llama_cpp.Llama):
             inner.close()
             if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
                 self._gen_owner, self._gen_evals = None, -1
+
+    def _state_loaded_elsewhere(self) -> None:
+        # another view of this context (or the Llama) loaded a state into every sequence: a paused stream is refused
+        # when it resumes, and the token record restarts (a stream in the middle of a step, waiting for its turn,
+        # finishes that step and is refused at its next one; its record restarts at its next generation)
+        self._gen_owner, self._gen_evals = None, -1
+        if self._gen_stepping:
+            self._record_stale = True
+        else:
+            self.n_tokens = 0
 
     def _interrupt_paused_generation(self) -> None:
         # a call that changes the cache between two steps of a stream (not one of that stream's own evaluations):

@@ -11,43 +11,53 @@ thread; a view's call that reads or edits its caches outside a generation holds 
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
-from typing import Any, Generator, List, Optional, Sequence
+import weakref
+from typing import Any, Deque, Generator, List, Optional, Sequence
 
 import numpy as np
 
 from ._native import native
 from .llama import Llama
-from .threads import Exclusive
+from .threads import Exclusive, exclusive
 
 
 class Turns:
-    """Who may use the shared context now: a lock any thread may release, held by one turn token at a time."""
+    """Who may use the shared context now: held by one turn token at a time, given in the order they asked (a thread
+    that asks again at once waits behind the others); any thread may give a token's turn back."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: Deque[object] = collections.deque()
         self.holder: Optional[object] = None
         self.holder_thread: Optional[int] = None
 
     def take(self, token: object) -> None:
         """Wait for the context unless `token` holds it already; a thread that holds it under another token passes
         it to `token` (a view's call that read its caches, then starts a generation with a token of its own)."""
-        if self.holder is token:
-            return
-        if self.holder is not None and self.holder_thread == threading.get_ident():
-            self.holder = token
-            return
-        self._lock.acquire()
-        self.holder = token
-        self.holder_thread = threading.get_ident()
+        me = threading.get_ident()
+        with self._cond:
+            if self.holder is token:
+                self.holder_thread = me  # a stream's steps may move between threads
+                return
+            if self.holder is not None and self.holder_thread == me:
+                self.holder = token
+                return
+            ticket = object()
+            self._queue.append(ticket)
+            while self.holder is not None or self._queue[0] is not ticket:
+                self._cond.wait()
+            self._queue.popleft()
+            self.holder, self.holder_thread = token, me
 
     def give(self, token: object) -> None:
         """Release the context if `token` holds it."""
-        if self.holder is token:
-            self.holder = None
-            self.holder_thread = None
-            self._lock.release()
+        with self._cond:
+            if self.holder is token:
+                self.holder, self.holder_thread = None, None
+                self._cond.notify_all()
 
     def held_here(self) -> bool:
         """Whether the calling thread holds the context."""
@@ -100,7 +110,12 @@ class SequenceView(Llama):
         pass
 
     def _take(self) -> None:
-        self._turns.take(self._turn)
+        # the turn for a decode, a cache edit or a read: a step of this view's generation holds it under the
+        # generation's token until it samples; any other call of the view holds it until the call ends
+        if self._generating and self._gen_stepping:
+            self._turns.take(self._turn)
+        elif not self._turns.held_here() and not self._exclusive.hold(self._turns, object()):
+            self._turns.take(self._turn)  # not inside a call of the view (not expected)
 
     def _give(self) -> None:
         self._turns.give(self._turn)
@@ -110,25 +125,30 @@ class SequenceView(Llama):
         return self.seq
 
     def _native_ctx(self) -> Any:
-        # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence; inside
-        # `generate` they take the turn, elsewhere the view's call holds it until it ends (unless its caller did)
-        if self._generating:
-            self._take()
-        elif not self._turns.held_here():
-            self._exclusive.hold(self._turns, self._turn)
+        # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence
+        self._take()
         ctx = super()._native_ctx()
         if self._kv_policy is not None and self._kv_policy.retains:
             native()[1].llama_kvp_seq_select(ctx, self.seq)
         return ctx
 
+    @exclusive
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate tokens in this view's sequence (it keeps the context until it samples, inside `generate`)."""
         self._take()
-        try:
-            super().eval(tokens)
-        finally:
-            if not self._generating:
-                self._give()
+        super().eval(tokens)
+
+    @exclusive
+    def save_state(self) -> "llama_cpp.llama.LlamaState":
+        """The whole context's state, every sequence's (as the `Llama`'s own save_state), taken in this view's turn."""
+        self._take()
+        return super().save_state()
+
+    @exclusive
+    def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
+        """Restore the whole context's state (every sequence) in this view's turn; the others' token records restart."""
+        self._take()
+        super().load_state(state)
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
         """Sample from this view's last decode, then let the other views have the context."""
@@ -158,6 +178,7 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
     # one Turns per context, shared by the Llama (a turn per call) and every view made of it
     if not isinstance(llm._exclusive.turns, Turns):
         llm._exclusive.turns = Turns()
+        llm._family = weakref.WeakSet([llm])  # a state load through one of them restarts the others' token records
     turns = llm._exclusive.turns
     views = []
     for s in range(n_seq):
@@ -178,6 +199,7 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
         v.scores = np.ndarray((n_ctx_seq if llm._logits_all else llm.n_batch, llm._n_vocab), dtype=np.single)
         v._mirostat_mu = copy.copy(llm._mirostat_mu)
         views.append(v)
+        llm._family.add(v)
     return views
 
 

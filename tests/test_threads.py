@@ -191,3 +191,61 @@ def test_turns_pass_from_token_to_token_within_a_thread_and_wait_across_threads(
     turns.give(b)
     t.join(10)
     assert got == [True] and turns.holder is None and not turns.held_here()
+
+
+def test_a_paused_view_stream_its_telemetry_and_a_state_load_beside_the_llama(model_path, tmp_path):
+    # before: reading a view's telemetry while its stream was paused kept the turn under the stream's token, so the
+    # stream's thread and the reader's Llama call decoded at once (a segfault) or the others hung; a state load through
+    # the Llama left the views' token records stale (wrong text); a view's save_state took no turn
+    script = tmp_path / "paused.py"
+    script.write_text(textwrap.dedent(f"""
+        import faulthandler, threading, time
+        faulthandler.dump_traceback_later(240, exit=True)
+        from pykvcache import ConcurrentUseError, Llama
+        from pykvcache.parallel import sequence_views
+        prompts = {PROMPTS!r}
+        llm = Llama({model_path!r}, n_ctx=1536, n_seq_max=3, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+        views = sequence_views(llm)
+        text = lambda who, p: who(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+        empty = llm.save_state()
+        ref = [text(llm, prompts[0]), text(views[1], prompts[1])]
+        llm.load_state(empty)
+        print("STALE", views[1].n_tokens, text(views[1], prompts[1]) == ref[1])
+        out = {{}}
+        for _ in range(3):
+            paused, read = threading.Event(), threading.Event()
+            def a():
+                it = views[1](prompts[1], max_tokens=16, temperature=0, stream=True)
+                parts = [next(it)["choices"][0]["text"]]
+                paused.set()
+                read.wait(120)  # then goes on beside b's completion
+                out["a"] = out.get("a", True) and "".join(parts + [c["choices"][0]["text"] for c in it]) == ref[1]
+            def b():
+                paused.wait(120)
+                views[1].kv_stats()  # the stream is paused: nothing of it runs now
+                read.set()
+                out["b"] = out.get("b", True) and text(llm, prompts[0]) == ref[0]
+            ts = [threading.Thread(target=f) for f in (a, b)]
+            [t.start() for t in ts]
+            [t.join(200) for t in ts]
+        print("PAUSED", dict(sorted(out.items())))
+        turns, held = llm._exclusive.turns, threading.Event()
+        def hold():
+            tok = object()
+            turns.take(tok)
+            held.set()
+            time.sleep(1.0)
+            turns.give(tok)
+        h = threading.Thread(target=hold)
+        h.start()
+        held.wait(60)
+        t0 = time.time()
+        views[2].save_state()
+        print("WAITED", time.time() - t0 > 0.5)
+        h.join()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "STALE 0 True" in out.stdout  # the view's record restarted with the load, and its answer is right
+    assert "PAUSED {'a': True, 'b': True}" in out.stdout
+    assert "WAITED True" in out.stdout
