@@ -21,7 +21,7 @@ import numpy as np
 
 from ._native import native
 from .llama import Llama
-from .threads import Exclusive, exclusive
+from .threads import ConcurrentUseError, Exclusive, exclusive
 
 
 class Turns:
@@ -114,6 +114,10 @@ class SequenceView(Llama):
         # generation's token until it samples; any other call of the view holds it until the call ends
         if self._generating and self._gen_stepping:
             self._turns.take(self._turn)
+            if self.__dict__.get("_record_stale"):  # a state was loaded while this step waited: decode nothing
+                raise ConcurrentUseError("this generation was interrupted: a state was loaded into every sequence of "
+                                         "its context (through the Llama or another view) while it waited for its "
+                                         "turn")
         elif not self._turns.held_here() and not self._exclusive.hold(self._turns, object()):
             self._turns.take(self._turn)  # not inside a call of the view (not expected)
 
@@ -170,8 +174,12 @@ class SequenceView(Llama):
             self._turns.give(turn)
 
 def sequence_views(llm: Llama) -> List[SequenceView]:
-    """One view per sequence of `llm`'s context (n_seq_max of them), sharing its model, context and turns."""
+    """One view per sequence of `llm`'s context (n_seq_max of them), sharing its model, context and turns; the same
+    views on every call (two views of one sequence would each keep a token record of it)."""
     import llama_cpp
+
+    if llm.__dict__.get("_views"):
+        return list(llm._views)
 
     n_seq = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))
     n_ctx_seq = llm.n_ctx() // n_seq
@@ -200,7 +208,8 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
         v._mirostat_mu = copy.copy(llm._mirostat_mu)
         views.append(v)
         llm._family.add(v)
-    return views
+    llm._views = views
+    return list(views)
 
 
 def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:

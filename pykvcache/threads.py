@@ -38,35 +38,35 @@ class SharedTurns(Protocol):
 
 class Exclusive:
     """Which thread runs in an object now, with the depth of its nested calls; with `turns`, each outermost call also
-    holds the shared context's turn (under `token`) unless its thread holds it already."""
+    holds the shared context's turn (under a token of its own) unless its thread holds it already."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: Optional[int] = None
         self._depth = 0
         self.turns: Optional[SharedTurns] = None  # set by pykvcache.parallel.sequence_views on the Llama
-        self.token = object()
         self._held: Optional[Tuple[SharedTurns, object]] = None  # given back when the outermost call ends
 
     def enter(self, what: str) -> None:
-        """Mark the calling thread as running, or raise ConcurrentUseError if another thread runs."""
+        """Mark the calling thread as running, or raise ConcurrentUseError if another thread runs; with `turns`, the
+        outermost call first waits for the context's turn (a call of another thread holding it ends first)."""
         me = threading.get_ident()
+        token = None
+        if self.turns is not None and not self.turns.held_here():
+            token = object()  # this call's own: a token shared by two threads would let both through
+            self.turns.take(token)
         with self._lock:
             if self._thread is not None and self._thread != me:
+                if token is not None:
+                    self.turns.give(token)  # type: ignore[union-attr]
                 raise ConcurrentUseError(
                     f"{what}: this Llama is running a call of another thread; a llama.cpp context is not thread-safe, "
                     "so use one Llama per thread, serialise the calls with a lock, or give concurrent requests "
                     "sequence views (pykvcache.parallel.sequence_views, as `pykvcache serve --n_parallel` does)")
             self._thread = me
             self._depth += 1
-            first = self._depth == 1
-        if first and self.turns is not None and not self.turns.held_here():
-            try:
-                self.turns.take(self.token)
-            except BaseException:
-                self.leave()
-                raise
-            self._held = (self.turns, self.token)
+            if token is not None:
+                self._held = (self.turns, token)  # type: ignore[assignment]
 
     def hold(self, turns: SharedTurns, token: object) -> bool:
         """Take `turns` under `token` until the calling thread's outermost call ends (False: no call of it runs)."""

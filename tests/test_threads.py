@@ -249,3 +249,60 @@ def test_a_paused_view_stream_its_telemetry_and_a_state_load_beside_the_llama(mo
     assert "STALE 0 True" in out.stdout  # the view's record restarted with the load, and its answer is right
     assert "PAUSED {'a': True, 'b': True}" in out.stdout
     assert "WAITED True" in out.stdout
+
+
+def test_sequence_stats_beside_the_llama_and_a_stream_refused_cleanly_after_a_state_load(model_path, tmp_path):
+    # before: sequence_stats raised ConcurrentUseError while the Llama streamed in another thread (its next step had
+    # marked itself running while it waited for its turn), and a view's step that waited for its turn while another
+    # view loaded a state decoded on the loaded cache and yielded one wrong token before it was refused
+    script = tmp_path / "stats.py"
+    script.write_text(textwrap.dedent(f"""
+        import faulthandler, threading, time
+        faulthandler.dump_traceback_later(240, exit=True)
+        from pykvcache import ConcurrentUseError, Llama
+        from pykvcache.parallel import sequence_stats, sequence_views
+        prompts = {PROMPTS!r}
+        llm = Llama({model_path!r}, n_ctx=1536, n_seq_max=3, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
+        views = sequence_views(llm)
+        assert sequence_views(llm) == views  # the same views again
+        empty = views[2].save_state()
+        def stream(who, p):
+            parts = []
+            try:
+                for c in who(p, max_tokens=16, temperature=0, stream=True):
+                    parts.append(c["choices"][0]["text"])
+            except ConcurrentUseError:
+                return "".join(parts), True
+            return "".join(parts), False
+        ref = [stream(llm, prompts[0])[0], stream(views[1], prompts[1])[0]]
+        done, errors, n_stats = threading.Event(), [], [0]
+        def stats():
+            while not done.is_set():
+                try:
+                    sequence_stats(llm, views)
+                    n_stats[0] += 1
+                except Exception as e:
+                    errors.append(type(e).__name__)
+        t = threading.Thread(target=stats)
+        t.start()
+        same = [stream(llm, prompts[0]) == (ref[0], False) for _ in range(3)]
+        done.set()
+        t.join(60)
+        print("STATS", same, errors, n_stats[0] > 0)
+        done.clear()
+        def loads():
+            while not done.is_set():
+                views[2].load_state(empty)
+                time.sleep(0.02)
+        t = threading.Thread(target=loads)
+        t.start()
+        got = [stream(views[1], prompts[1]) for _ in range(4)]
+        done.set()
+        t.join(60)
+        print("LOADS", all(ref[1].startswith(text) and (refused or text == ref[1]) for text, refused in got),
+              sum(refused for _, refused in got))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "STATS [True, True, True] [] True" in out.stdout, out.stdout
+    assert "LOADS True" in out.stdout, out.stdout  # every stream's text is the reference or a prefix of it
