@@ -141,15 +141,7 @@ def test_two_threads_hammering_one_llama_never_crash_the_process(model_path, tmp
 @pytest.mark.parametrize("spec", [None, "snapkv:budget=0.5+summarise"])
 def test_a_llama_and_its_sequence_views_in_threads_of_their_own_take_turns(model_path, tmp_path, spec):
     # before: the Llama's decodes and a view's ran at once in the shared context (a segfault or a GGML_ASSERT abort)
-    script = tmp_path / "views.py"
-    script.write_text(textwrap.dedent(f"""
-        import threading
-        from pykvcache import Llama
-        from pykvcache.parallel import sequence_views
-        spec, prompts = {spec!r}, {PROMPTS!r}
-        llm = Llama({model_path!r}, n_ctx=1024, n_seq_max=2, n_threads=1, verbose=False, kv_policy=spec)
-        views = sequence_views(llm)
-        text = lambda who, p: who(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+    stdout = _views_child(tmp_path, model_path, """
         ref = [text(llm, prompts[0]), text(views[1], prompts[1])]
         res = []
         def run(f):
@@ -165,12 +157,10 @@ def test_a_llama_and_its_sequence_views_in_threads_of_their_own_take_turns(model
         [t.join() for t in ts]
         print("RESULTS", sorted(res))
         print("AFTER", text(llm, prompts[0]) == ref[0], text(views[1], prompts[1]) == ref[1])
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    results = ast.literal_eval(out.stdout.split("RESULTS", 1)[1].splitlines()[0])
+    """, spec=spec, n_ctx=1024, n_seq=2)
+    results = ast.literal_eval(stdout.split("RESULTS", 1)[1].splitlines()[0])
     assert results == ["True"] * 12, results  # every answer right, none refused: they waited for their turns
-    assert "AFTER True True" in out.stdout
+    assert "AFTER True True" in stdout
 
 
 def test_turns_pass_from_token_to_token_within_a_thread_and_wait_across_threads():
@@ -197,21 +187,12 @@ def test_a_paused_view_stream_its_telemetry_and_a_state_load_beside_the_llama(mo
     # before: reading a view's telemetry while its stream was paused kept the turn under the stream's token, so the
     # stream's thread and the reader's Llama call decoded at once (a segfault) or the others hung; a state load through
     # the Llama left the views' token records stale (wrong text); a view's save_state took no turn
-    script = tmp_path / "paused.py"
-    script.write_text(textwrap.dedent(f"""
-        import faulthandler, threading, time
-        faulthandler.dump_traceback_later(240, exit=True)
-        from pykvcache import ConcurrentUseError, Llama
-        from pykvcache.parallel import sequence_views
-        prompts = {PROMPTS!r}
-        llm = Llama({model_path!r}, n_ctx=1536, n_seq_max=3, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
-        views = sequence_views(llm)
-        text = lambda who, p: who(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+    stdout = _views_child(tmp_path, model_path, """
         empty = llm.save_state()
         ref = [text(llm, prompts[0]), text(views[1], prompts[1])]
         llm.load_state(empty)
         print("STALE", views[1].n_tokens, text(views[1], prompts[1]) == ref[1])
-        out = {{}}
+        out = {}
         for _ in range(3):
             paused, read = threading.Event(), threading.Event()
             def a():
@@ -243,27 +224,17 @@ def test_a_paused_view_stream_its_telemetry_and_a_state_load_beside_the_llama(mo
         views[2].save_state()
         print("WAITED", time.time() - t0 > 0.5)
         h.join()
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "STALE 0 True" in out.stdout  # the view's record restarted with the load, and its answer is right
-    assert "PAUSED {'a': True, 'b': True}" in out.stdout
-    assert "WAITED True" in out.stdout
+    """, spec="snapkv:budget=0.5", n_ctx=1536, n_seq=3)
+    assert "STALE 0 True" in stdout  # the view's record restarted with the load, and its answer is right
+    assert "PAUSED {'a': True, 'b': True}" in stdout
+    assert "WAITED True" in stdout
 
 
 def test_sequence_stats_beside_the_llama_and_a_stream_refused_cleanly_after_a_state_load(model_path, tmp_path):
     # before: sequence_stats raised ConcurrentUseError while the Llama streamed in another thread (its next step had
     # marked itself running while it waited for its turn), and a view's step that waited for its turn while another
     # view loaded a state decoded on the loaded cache and yielded one wrong token before it was refused
-    script = tmp_path / "stats.py"
-    script.write_text(textwrap.dedent(f"""
-        import faulthandler, threading, time
-        faulthandler.dump_traceback_later(240, exit=True)
-        from pykvcache import ConcurrentUseError, Llama
-        from pykvcache.parallel import sequence_stats, sequence_views
-        prompts = {PROMPTS!r}
-        llm = Llama({model_path!r}, n_ctx=1536, n_seq_max=3, n_threads=1, verbose=False, kv_policy="snapkv:budget=0.5")
-        views = sequence_views(llm)
+    stdout = _views_child(tmp_path, model_path, """
         assert sequence_views(llm) == views  # the same views again
         empty = views[2].save_state()
         def stream(who, p):
@@ -301,8 +272,25 @@ def test_sequence_stats_beside_the_llama_and_a_stream_refused_cleanly_after_a_st
         t.join(60)
         print("LOADS", all(ref[1].startswith(text) and (refused or text == ref[1]) for text, refused in got),
               sum(refused for _, refused in got))
-    """))
+    """, spec="snapkv:budget=0.5", n_ctx=1536, n_seq=3)
+    assert "STATS [True, True, True] [] True" in stdout, stdout
+    assert "LOADS True" in stdout, stdout  # every stream's text is the reference or a prefix of it
+
+
+def _views_child(tmp_path, model_path, body: str, spec=None, n_ctx=1536, n_seq=3) -> str:
+    """Runs `body` in a child process after making `llm` (the Llama), `views` (its sequence views), `prompts` and
+    `text(who, prompt)`; a crash or a hang (its stacks after 240 s) fails the test. Returns the child's stdout."""
+    script = tmp_path / "views.py"
+    script.write_text(textwrap.dedent(f"""
+        import faulthandler, threading, time
+        faulthandler.dump_traceback_later(240, exit=True)
+        from pykvcache import ConcurrentUseError, Llama
+        from pykvcache.parallel import sequence_stats, sequence_views
+        spec, prompts = {spec!r}, {PROMPTS!r}
+        llm = Llama({model_path!r}, n_ctx={n_ctx}, n_seq_max={n_seq}, n_threads=1, verbose=False, kv_policy=spec)
+        views = sequence_views(llm)
+        text = lambda who, p: who(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+    """) + textwrap.dedent(body))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "STATS [True, True, True] [] True" in out.stdout, out.stdout
-    assert "LOADS True" in out.stdout, out.stdout  # every stream's text is the reference or a prefix of it
+    return out.stdout
