@@ -327,6 +327,8 @@ class Llama(llama_cpp.Llama):
         """Evaluate a list of tokens (llama_cpp.Llama.eval); a prompt's last chunk observes even if it is one token."""
         self._check_open()
         self._interrupt_paused_generation()
+        if self._gen_evals < 0 and self.__dict__.pop("_record_stale", False):
+            self.n_tokens = 0  # not a generation's: a state was loaded into this sequence through another view
         if self.n_tokens + len(tokens) > self._n_ctx:
             # a retention policy's cache has room for more, but not the context's positions (nor llama-cpp-python's
             # token record, which a write past it silently cut): the full cache fails here too (llama_decode 1)
@@ -467,8 +469,8 @@ class Llama(llama_cpp.Llama):
 
     def _state_loaded_elsewhere(self) -> None:
         # another view of this context (or the Llama) loaded a state into every sequence: a paused stream is refused
-        # when it resumes, and the token record restarts (a stream in the middle of a step, waiting for its turn,
-        # finishes that step and is refused at its next one; its record restarts at its next generation)
+        # when it resumes, and the token record restarts (a view's step waiting for its turn is refused as it takes it,
+        # SequenceView._take; its record restarts at the next generation or eval)
         self._gen_owner, self._gen_evals = None, -1
         if self._gen_stepping:
             self._record_stale = True
