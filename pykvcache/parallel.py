@@ -183,11 +183,9 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 
     n_seq = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))
     n_ctx_seq = llm.n_ctx() // n_seq
-    # one Turns per context, shared by the Llama (a turn per call) and every view made of it
-    if not isinstance(llm._exclusive.turns, Turns):
-        llm._exclusive.turns = Turns()
-        llm._family = weakref.WeakSet([llm])  # a state load through one of them restarts the others' token records
-    turns = llm._exclusive.turns
+    # one Turns per context, shared by the Llama (a turn per call) and its views (made once: the early return above)
+    turns = llm._exclusive.turns = Turns()
+    llm._family = weakref.WeakSet([llm])  # a state load through one of them restarts the others' token records
     views = []
     for s in range(n_seq):
         # the same attributes, not a copy.copy: llama-cpp-python's __setstate__ would load the model and build a context
