@@ -3,6 +3,11 @@ budget, equivalence with the full cache when nothing is evicted, needle retrieva
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import llama_cpp
 import numpy as np
 import pytest
@@ -409,3 +414,27 @@ def test_logits_for_every_token_change_nothing_else(model_path, spec):
             assert len(out["choices"][0]["logprobs"]["token_logprobs"]) >= llm.n_tokens - 1
         llm.close()
     assert (got[0][0] == got[1][0]).all() and (got[0][1] == got[1][1]).all()
+
+
+def test_the_per_layer_masks_are_llama_cpps(model_path, tmp_path):
+    """The per-layer memory writes its causal masks itself (fast path); a debug switch compares each with llama.cpp's."""
+    script = tmp_path / "masks.py"
+    script.write_text(textwrap.dedent(f"""
+        from pykvcache import Llama, corpus
+        from pykvcache.parallel import sequence_views
+        toks = None
+        for spec, fa in (("snapkv:budget=0.2+summarise", True), ("entropy:budget=0.2", False), ("sink_recent", True)):
+            llm = Llama({model_path!r}, n_ctx=2048, n_seq_max=2, n_threads=1, flash_attn=fa, verbose=False,
+                        kv_policy=spec)
+            toks = toks or llm.tokenize(corpus.essays_file().read_bytes()[:6000])[:900]
+            a, b = sequence_views(llm)
+            a.eval(toks)  # prompt chunks, evictions, centroids with their bias
+            out_a = a.create_completion(toks[:700], max_tokens=24, temperature=0)  # a reused prefix, then decode
+            out_b = b.create_completion(toks[100:400], max_tokens=24, temperature=0)  # the other sequence
+            print(spec, len(out_a["choices"][0]["text"]), len(out_b["choices"][0]["text"]))
+    """))
+    env = dict(os.environ, LLAMA_KVP_CHECK_MASKS="1")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "every per-layer mask is checked against llama.cpp's" in out.stderr
+    assert len(out.stdout.splitlines()) == 3

@@ -16,6 +16,9 @@
 
 #include "llama-graph.h"
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 class llama_kvp_attn_input : public llm_graph_input_attn_kv {
@@ -32,10 +35,14 @@ public:
             ggml_tensor v_idxs = llama_kvp_host_part(inp->self_v_idxs,  v_idxs_all, off_v_idxs[ikv]);
             ggml_tensor mask   = llama_kvp_host_part(inp->self_kq_mask, mask_all,   off_mask[ikv]);
             ggml_tensor * views[3] = { inp->self_k_idxs, inp->self_v_idxs, inp->self_kq_mask };
+            const bool own_mask = mask.data && llama_kvp_mask_causal(*mem->layers[ikv].kv, *ubatch, mask, cell_pos);
             inp->self_k_idxs  = &k_idxs;
             inp->self_v_idxs  = &v_idxs;
-            inp->self_kq_mask = &mask;
+            inp->self_kq_mask = own_mask ? nullptr : &mask;
             inp->set_input(ubatch);
+            if (own_mask && llama_kvp_check_masks()) {
+                llama_kvp_mask_check(*inp, *ubatch, mask, ikv);
+            }
             inp->self_k_idxs  = views[0];
             inp->self_v_idxs  = views[1];
             inp->self_kq_mask = views[2];
@@ -48,6 +55,74 @@ public:
             if (mask.data) {
                 mem->mask_add_bias((int32_t) ikv, mask.data, mask.type == GGML_TYPE_F16, mask.ne[0], ggml_nrows(&mask));
             }
+        }
+    }
+
+    // the causal mask of a layer's cache for a ubatch of one sequence, as llama_kv_cache::set_input_kq_mask writes it
+    // (0 where the cell holds a token of the sequence at or before the row's position, -inf elsewhere), in one pass
+    // over the cells and a plain loop per row instead of that builder's bookkeeping for rows of several sequences (a
+    // third of the per-layer memory's host time per decode step); false where it needs that builder (several
+    // sequences in the ubatch, M-RoPE positions, ALiBi, non-causal attention)
+    bool llama_kvp_mask_causal(const llama_kv_cache & kv, const llama_ubatch & ub, ggml_tensor & mask, std::vector<llama_pos> & pos) const {
+        if (!cparams.causal_attn || hparams.use_alibi || ub.is_pos_2d() || ub.n_tokens == 0 || mask.ne[1] != (int64_t) ub.n_tokens ||
+            mask.ne[2] != 1 || mask.ne[3] != 1 || (mask.type != GGML_TYPE_F16 && mask.type != GGML_TYPE_F32)) {
+            return false;
+        }
+        const llama_seq_id seq = ub.seq_id[0][0];
+        for (uint32_t i = 1; i < ub.n_tokens; ++i) {
+            if (ub.seq_id[i][0] != seq) {
+                return false;
+            }
+        }
+        const int64_t n_kv = mask.ne[0];
+        if (n_kv > (int64_t) kv.get_size()) {
+            return false;
+        }
+        pos.resize(n_kv);
+        llama_kvp_kv_access::cell_positions_of_seq(kv, (uint32_t) n_kv, seq, pos.data());
+        const bool f16 = mask.type == GGML_TYPE_F16;
+        const ggml_fp16_t keep16 = ggml_fp32_to_fp16(0.0f);
+        const ggml_fp16_t drop16 = ggml_fp32_to_fp16(-INFINITY);
+        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+            const llama_pos p1 = ub.pos[i];
+            if (f16) {
+                ggml_fp16_t * row = (ggml_fp16_t *) mask.data + (size_t) i*n_kv;
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    row[j] = pos[j] >= 0 && pos[j] <= p1 ? keep16 : drop16;
+                }
+            } else {
+                float * row = (float *) mask.data + (size_t) i*n_kv;
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    row[j] = pos[j] >= 0 && pos[j] <= p1 ? 0.0f : -INFINITY;
+                }
+            }
+        }
+        return true;
+    }
+
+    // LLAMA_KVP_CHECK_MASKS=1 (a debug switch, read once): every mask llama_kvp_mask_causal writes is compared with the
+    // one llama.cpp's builder writes for the same cache and ubatch, and a difference aborts naming the layer
+    static bool llama_kvp_check_masks() {
+        static const bool on = [] {
+            const char * e = getenv("LLAMA_KVP_CHECK_MASKS");
+            const bool res = e && *e && strcmp(e, "0") != 0;
+            if (res) {
+                fprintf(stderr, "pykvcache: LLAMA_KVP_CHECK_MASKS: every per-layer mask is checked against llama.cpp's\n");
+            }
+            return res;
+        }();
+        return on;
+    }
+
+    void llama_kvp_mask_check(const llm_graph_input_attn_kv & inp, const llama_ubatch & ub, const ggml_tensor & mask, size_t ikv) const {
+        std::vector<uint8_t> ref(ggml_nbytes(&mask));
+        ggml_tensor t = mask;
+        t.data = ref.data();
+        inp.mctx->set_input_kq_mask(&t, &ub, cparams.causal_attn);
+        if (memcmp(ref.data(), mask.data, ref.size()) != 0) {
+            fprintf(stderr, "pykvcache: LLAMA_KVP_CHECK_MASKS: the mask of KV layer %zu (%lld cells, %lld rows) differs from llama.cpp's\n",
+                    ikv, (long long) mask.ne[0], (long long) mask.ne[1]);
+            abort();
         }
     }
 
@@ -104,6 +179,7 @@ public:
     std::vector<size_t> off_v_idxs;
     std::vector<size_t> off_mask;
     std::vector<int32_t> layer_of_il;                                // model layer -> KV layer
+    std::vector<llama_pos> cell_pos;                                 // scratch of llama_kvp_mask_causal
 };
 
 ggml_tensor * llama_kvp_packed_input(ggml_context * ctx, ggml_type type, size_t n_bytes, const char * name,

@@ -10,6 +10,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -261,6 +262,7 @@ struct llama_kvp_kv_access {
     static uint32_t n_used(const llama_kv_cache & kv);
     static llama_pos cell_pos(const llama_kv_cache & kv, uint32_t i); // -1 for an empty cell
     static void cell_positions(const llama_kv_cache & kv, uint32_t n, llama_pos * out); // cell_pos of cells [0, n)
+    static void cell_positions_of_seq(const llama_kv_cache & kv, uint32_t n, llama_seq_id seq, llama_pos * out); // -1 where not of seq
     static void cell_rm(llama_kv_cache & kv, uint32_t i);
     static void cell_set(llama_kv_cache & kv, uint32_t i, llama_pos pos, llama_seq_id seq); // an empty cell now holds pos of seq
     static uint32_t head(const llama_kv_cache & kv);         // where find_slot looks for a free cell first
@@ -379,6 +381,10 @@ llama_kvp_memory * llama_kvp_mem_with_fate(llama_context * ctx, int32_t fate, co
 // observation results used by the per-layer memory (llama-kvp-observe.cpp)
 //
 
+// runs fn(task, thread) for tasks [0, n_tasks) on up to n_threads threads, this one among them (the context's compute
+// threads are idle while the memory works between two graphs); each task runs once, on one thread
+void llama_kvp_run_tasks(int32_t n_tasks, int32_t n_threads, const std::function<void(int32_t, int32_t)> & fn);
+
 // waits for the context's graph computations (before reading or writing its buffers from the host)
 void llama_kvp_sync(llama_kvp_context * st);
 
@@ -410,6 +416,10 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
 // reuse it, as they reuse the scores)
 int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t ikv, const std::vector<float> ** ent,
                                                  const std::vector<llama_pos> ** pos);
+
+// computes the same for layers ikvs at once, the layers shared out among n_threads threads (an eviction pass that
+// reorders the leavers by entropy, where every layer's values are needed)
+void llama_kvp_obs_query_entropy_layers(llama_kvp_context * st, const std::vector<int32_t> & ikvs, int32_t n_threads);
 
 // the observation state of the current sequence, for a saved state (llama_kvp_memory::state_write): the counters, the
 // prompt entropies and the window queries' positions (obs_state_*), and per KV layer its device tensors (the window's

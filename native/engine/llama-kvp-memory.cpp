@@ -479,6 +479,9 @@ void llama_kvp_memory::evict_layers(uint32_t n_tokens, bool evict_all) {
     if (prefetch) {
         const int32_t n_rows = stage_score->uses_values(policy) ? 3 : stage_score->uses_last(policy) ? 2 : 1;
         llama_kvp_obs_prefetch(st, evicting, n_rows, stage_fate->uses_query_entropy(policy));
+        if (stage_fate->uses_query_entropy(policy)) {
+            llama_kvp_obs_query_entropy_layers(st, evicting, (int32_t) (n_tokens > 1 ? cparams.n_threads_batch : cparams.n_threads));
+        }
     }
     for (int32_t i : evicting) {
         evict(i, n_keep[i]);

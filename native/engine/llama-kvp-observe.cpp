@@ -83,6 +83,13 @@ void llama_kvp_kv_access::cell_positions(const llama_kv_cache & kv, uint32_t n, 
     }
 }
 
+void llama_kvp_kv_access::cell_positions_of_seq(const llama_kv_cache & kv, uint32_t n, llama_seq_id seq, llama_pos * out) {
+    const auto & cells = kv.v_cells[0];
+    for (uint32_t i = 0; i < n; ++i) {
+        out[i] = cells.is_empty(i) || !cells.seq_has(i, seq) ? -1 : cells.pos_get(i);
+    }
+}
+
 void llama_kvp_kv_access::cell_rm(llama_kv_cache & kv, uint32_t i) {
     auto & cells = kv.v_cells[0];
     if (cells.seq_count(i) == 1) {
@@ -1272,29 +1279,24 @@ int32_t llama_kvp_obs_layer_mass(llama_kvp_context * st, int32_t ikv, std::vecto
     return n_kv;
 }
 
-int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, std::vector<float> & ent, std::vector<llama_pos> & pos) {
+// the query entropies of KV layer ikv from its decode rows (W rows of row_stride floats, read from the device or not);
+// touches nothing shared, so layers can run on threads of their own
+static void llama_kvp_obs_query_entropy_rows(const llama_kvp_context * st, int32_t ikv, const float * rows, std::vector<float> & ent,
+                                             std::vector<llama_pos> & pos) {
     const auto & L = st->layers[ikv];
-    const int32_t n_kv = st->observing() && L.mass_rows ? L.n_kv_obs : 0;
-    ent.assign(std::max(n_kv, 0), -1.0f);
-    pos.assign(std::max(n_kv, 0), -1);
-    if (n_kv <= 0) {
-        return 0;
-    }
-    llama_kvp_sync(st);
+    const int32_t n_kv = (int32_t) ent.size();
     const int32_t W = st->policy.window;
     const size_t  row_stride = L.mass_rows->nb[1]/sizeof(float);
-    const size_t  n_rows = (size_t) (W - 1)*row_stride + n_kv;
-    std::vector<float> buf;
-    const float * rows = L.pre_rows.data(); // read by llama_kvp_obs_prefetch
-    if (L.pre_rows.size() != n_rows) {
-        buf.resize(n_rows);
-        ggml_backend_tensor_get(L.mass_rows, buf.data(), 0, buf.size()*sizeof(float));
-        rows = buf.data();
-    }
-    // the window's valid queries: the slots holding the last W positions
+    // the window's valid queries: the slots holding the last W positions, written since the last reset
     llama_pos p_max = -1;
     for (llama_pos p : st->slot_pos) {
         p_max = std::max(p_max, p);
+    }
+    std::vector<int32_t> slots;
+    for (int32_t s = 0; s < W; ++s) {
+        if (llama_kvp_slot_valid(st->slot_pos[s], p_max, W) && L.row_step[s] >= 0) {
+            slots.push_back(s);
+        }
     }
     const llama_kv_cache * kv = st->layer_kv(ikv);
     llama_kvp_kv_access::cell_positions(*kv, (uint32_t) std::min<int64_t>(n_kv, kv->get_size()), pos.data());
@@ -1304,11 +1306,11 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
         if (pj < 0 || j >= (int32_t) L.cell_pos_row.size() || L.cell_pos_row[j] != pj) {
             continue;
         }
+        // the queries at or after the token that wrote their row while its cell held it
         int32_t n   = 0;
         double  sum = 0.0;
-        for (int32_t s = 0; s < W; ++s) {
-            const llama_pos ps = st->slot_pos[s];
-            if (!llama_kvp_slot_valid(ps, p_max, W) || ps < pj || L.row_step[s] < 0 || L.row_step[s] < L.cell_step[j]) {
+        for (int32_t s : slots) {
+            if (st->slot_pos[s] < pj || L.row_step[s] < L.cell_step[j]) {
                 continue;
             }
             const float x = rows[(size_t) s*row_stride + j];
@@ -1329,6 +1331,40 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
         const double h = std::log(sum) - xlx/sum;
         ent[j] = (float) std::min(1.0, std::max(0.0, h/std::log((double) n)));
     }
+}
+
+// the decode rows of KV layer ikv as the host sees them: the prefetched copy, the tensor itself in host memory, or a
+// read into buf; nullptr where the layer keeps none (synchronize first)
+static const float * llama_kvp_obs_rows_host(llama_kvp_context * st, int32_t ikv, int32_t n_kv, std::vector<float> & buf) {
+    const auto & L = st->layers[ikv];
+    const size_t row_stride = L.mass_rows->nb[1]/sizeof(float);
+    const size_t n_rows = (size_t) (st->policy.window - 1)*row_stride + n_kv;
+    if (L.pre_rows.size() == n_rows) { // read by llama_kvp_obs_prefetch
+        return L.pre_rows.data();
+    }
+    if (L.mass_rows->buffer && ggml_backend_buffer_is_host(L.mass_rows->buffer) && L.mass_rows->data) {
+        return (const float *) L.mass_rows->data;
+    }
+    buf.resize(n_rows);
+    ggml_backend_tensor_get(L.mass_rows, buf.data(), 0, buf.size()*sizeof(float));
+    return buf.data();
+}
+
+static int32_t llama_kvp_obs_query_entropy_n_kv(const llama_kvp_context * st, int32_t ikv) {
+    const auto & L = st->layers[ikv];
+    return st->observing() && L.mass_rows ? std::max(L.n_kv_obs, 0) : 0;
+}
+
+int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, std::vector<float> & ent, std::vector<llama_pos> & pos) {
+    const int32_t n_kv = llama_kvp_obs_query_entropy_n_kv(st, ikv);
+    ent.assign(n_kv, -1.0f);
+    pos.assign(n_kv, -1);
+    if (n_kv <= 0) {
+        return 0;
+    }
+    llama_kvp_sync(st);
+    std::vector<float> buf;
+    llama_kvp_obs_query_entropy_rows(st, ikv, llama_kvp_obs_rows_host(st, ikv, n_kv, buf), ent, pos);
     return n_kv;
 }
 
@@ -1342,6 +1378,34 @@ int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t
     *ent = &L.q_ent;
     *pos = &L.q_ent_pos;
     return (int32_t) L.q_ent.size();
+}
+
+void llama_kvp_obs_query_entropy_layers(llama_kvp_context * st, const std::vector<int32_t> & ikvs, int32_t n_threads) {
+    std::vector<int32_t>            todo;
+    std::vector<const float *>      rows;
+    std::vector<std::vector<float>> bufs;
+    bufs.reserve(ikvs.size());
+    llama_kvp_sync(st);
+    for (int32_t ikv : ikvs) {
+        auto & L = st->layers[ikv];
+        if (L.q_ent_obs == st->n_obs) {
+            continue;
+        }
+        const int32_t n_kv = llama_kvp_obs_query_entropy_n_kv(st, ikv);
+        L.q_ent.assign(n_kv, -1.0f);
+        L.q_ent_pos.assign(n_kv, -1);
+        L.q_ent_obs = st->n_obs;
+        if (n_kv > 0) {
+            // the reads stay on this thread (a device's transfers), the sums go to the threads
+            bufs.emplace_back();
+            rows.push_back(llama_kvp_obs_rows_host(st, ikv, n_kv, bufs.back()));
+            todo.push_back(ikv);
+        }
+    }
+    llama_kvp_run_tasks((int32_t) todo.size(), n_threads, [&](int32_t t, int32_t) {
+        auto & L = st->layers[todo[t]];
+        llama_kvp_obs_query_entropy_rows(st, todo[t], rows[t], L.q_ent, L.q_ent_pos);
+    });
 }
 
 void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_cells, const std::vector<int32_t> & remap) {

@@ -1,12 +1,16 @@
-// llama-kvp-stages.cpp - the registry of stages, the default behaviour of each slot interface and the checks of
-// key values that several stages share. The stages themselves live in stages/, one file each.
+// llama-kvp-stages.cpp - the registry of stages, the default behaviour of each slot interface, the checks of key
+// values that several stages share, and the threads the host work between two graphs shares out. The stages
+// themselves live in stages/, one file each.
 
 #include "llama-kvp-stage.h"
 #include "llama-kvp-impl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <system_error>
+#include <thread>
 
 const std::vector<const llama_kvp_stage *> & llama_kvp_stage_all() {
     static const std::vector<const llama_kvp_stage *> all = {
@@ -397,3 +401,25 @@ int32_t llama_kvp_allocate_budgets(const float * entropy, int32_t n_layer, int64
     return 0;
 }
 
+
+void llama_kvp_run_tasks(int32_t n_tasks, int32_t n_threads, const std::function<void(int32_t, int32_t)> & fn) {
+    const int32_t n_thr = std::max(1, std::min(n_tasks, n_threads));
+    std::atomic<int32_t> next(0);
+    auto work = [&](int32_t thread) {
+        for (int32_t t = next++; t < n_tasks; t = next++) {
+            fn(t, thread);
+        }
+    };
+    std::vector<std::thread> workers;
+    for (int32_t t = 1; t < n_thr; ++t) {
+        try {
+            workers.emplace_back(work, t);
+        } catch (const std::system_error &) {
+            break; // no more threads: the others (this one at least) take the tasks
+        }
+    }
+    work(0);
+    for (auto & w : workers) {
+        w.join();
+    }
+}

@@ -42,15 +42,12 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 //
@@ -714,31 +711,15 @@ struct llama_kvp_fate_summarise : llama_kvp_fate_stage {
             }
         }
         const int32_t n_threads = (int32_t) (mem.n_ubatch_cur > 1 ? mem.cparams.n_threads_batch : mem.cparams.n_threads);
-        const int32_t n_thr     = std::max(1, std::min<int32_t>((int32_t) tasks.size(), n_threads));
-        std::atomic<int32_t> next(0);
-        auto work = [&]() {
-            std::vector<float> scratch;
-            for (int32_t t = next++; t < (int32_t) tasks.size(); t = next++) {
-                auto & j = jobs[tasks[t].first];
-                try {
-                    fit_head(mem, j, tasks[t].second, scratch);
-                } catch (const std::exception &) {
-                    j.ok_h[tasks[t].second] = 0; // out of memory in a fit: its bin is dropped (a fallback), not the process
-                }
-            }
-        };
-        std::vector<std::thread> workers;
-        for (int32_t t = 1; t < n_thr; ++t) {
+        std::vector<std::vector<float>> scratch(std::max(1, n_threads));
+        llama_kvp_run_tasks((int32_t) tasks.size(), n_threads, [&](int32_t t, int32_t thread) {
+            auto & j = jobs[tasks[t].first];
             try {
-                workers.emplace_back(work);
-            } catch (const std::system_error &) {
-                break; // no more threads: the others (this one at least) take the tasks
+                fit_head(mem, j, tasks[t].second, scratch[thread]);
+            } catch (const std::exception &) {
+                j.ok_h[tasks[t].second] = 0; // out of memory in a fit: its bin is dropped (a fallback), not the process
             }
-        }
-        work();
-        for (auto & w : workers) {
-            w.join();
-        }
+        });
         const double t_fit = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
         // the centroids into their layers, bin by bin in the order they closed (each layer's fit time: the fits' wall
