@@ -67,6 +67,7 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
     ctx = llm._ctx.ctx
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)  # every sequence (kv_cache_seq_rm(-1) is 0's)
     llm.n_tokens = 0  # llama-cpp-python's own record of sequence 0 no longer holds
+    llm._sequence_changed(None)  # nor the records of the context's other users (pykvcache.parallel)
     pol = getattr(llm, "kv_policy", None)
     if pol is not None and pol.retains:
         _, lib = native()

@@ -201,6 +201,7 @@ class Llama(llama_cpp.Llama):
         """Embeddings of text (llama_cpp.Llama.embed)."""
         self._check_open()
         self._interrupt_paused_generation()
+        self._sequence_changed(None if self._whole_context else self._own_seq)
         return super().embed(*args, **kwargs)
 
     @exclusive
@@ -275,9 +276,7 @@ class Llama(llama_cpp.Llama):
                                f"n_ctx={self.context_params.n_ctx}, n_seq_max={self._n_seq_max}, K/V {types}); the "
                                f"context is unchanged") from None
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
-        for other in list(self.__dict__.get("_family", ())):  # its sequence views and the Llama (pykvcache.parallel)
-            if other is not self:  # every sequence was loaded: their token records no longer match their caches
-                other._state_loaded_elsewhere()
+        self._sequence_changed(None)  # every sequence was loaded
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -288,6 +287,7 @@ class Llama(llama_cpp.Llama):
         return ctx_pointer(self._ctx.ctx)
 
     _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
+    _whole_context = True  # its context's cache clear and batches reach every sequence (a sequence view's: its own)
 
     def _select_own_seq(self) -> None:
         # the native calls of a prompt (budget, guided prefill, prefix reuse) act on the selected sequence, which
@@ -328,7 +328,7 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         self._interrupt_paused_generation()
         if self._gen_evals < 0 and self.__dict__.pop("_record_stale", False):
-            self.n_tokens = 0  # not a generation's: a state was loaded into this sequence through another view
+            self.n_tokens = 0  # not a generation's: another user of the context changed this sequence
         if self.n_tokens + len(tokens) > self._n_ctx:
             # a retention policy's cache has room for more, but not the context's positions (nor llama-cpp-python's
             # token record, which a write past it silently cut): the full cache fails here too (llama_decode 1)
@@ -336,6 +336,7 @@ class Llama(llama_cpp.Llama):
                                f"{len(tokens)} more asked): a longer generation needs a larger n_ctx")
         pol = self._kv_policy
         self._select_own_seq()
+        self._sequence_changed(self._own_seq)
         n_in = len(tokens)
         # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
         # pruned cache (not a new prompt that no eviction reached: there it would take their full context away)
@@ -428,7 +429,7 @@ class Llama(llama_cpp.Llama):
         check_token_ids(tokens, self._n_vocab)  # the prompt's; the sampled ones are the vocabulary's
         pol = self._kv_policy
         if self.__dict__.pop("_record_stale", False):
-            self.n_tokens = 0  # a state was loaded into this sequence through another view (_state_loaded_elsewhere)
+            self.n_tokens = 0  # another user of the context changed this sequence (_changed_elsewhere)
         self._select_own_seq()
         if pol is not None and pol.retains and self._kv_reuse == "exact" and reset and self.n_tokens > 0:
             self._kv_reuse_prefix(list(tokens))
@@ -454,11 +455,12 @@ class Llama(llama_cpp.Llama):
                 if self._gen_owner is not owner:
                     # another generation, an eval, a batch, a state load or an embedding ran in between: the cache and
                     # the token record are no longer what this one goes on from
-                    raise ConcurrentUseError("this generation was interrupted by another call on the same Llama that "
-                                             "changed its cache (a generation, eval, generate_batch, load_state or "
-                                             "embed, or a state loaded through another view of its context); a Llama "
-                                             "runs one generation at a time (finish or close a stream before the next "
-                                             "call)")
+                    raise ConcurrentUseError("this generation was interrupted by another call that changed its "
+                                             "cache (a generation, eval, generate_batch, load_state or embed of the "
+                                             "same Llama; a state loaded or a batch run through another view of its "
+                                             "context; or a call of the other one of a Llama and its view of sequence "
+                                             "0, which share that sequence); a Llama runs one generation at a time "
+                                             "(finish or close a stream before the next call)")
                 resume = functools.partial(inner.send, sent)
         except StopIteration as stop:
             return stop.value
@@ -467,8 +469,16 @@ class Llama(llama_cpp.Llama):
             if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
                 self._gen_owner, self._gen_evals = None, -1
 
-    def _state_loaded_elsewhere(self) -> None:
-        # another view of this context (or the Llama) loaded a state into every sequence: a paused stream is refused
+    def _sequence_changed(self, seq: Optional[int]) -> None:
+        # this call changes the cache of sequence `seq` (None: of every sequence): the context's other users that run
+        # it (a state load or generate_batch: all of them; an eval: the Llama and its view of sequence 0, which share
+        # sequence 0; pykvcache.parallel) no longer hold what their token records say
+        for other in list(self.__dict__.get("_family", ())):
+            if other is not self and (seq is None or other._own_seq == seq):
+                other._changed_elsewhere()
+
+    def _changed_elsewhere(self) -> None:
+        # another user of this context changed this one's sequence (see _sequence_changed): a paused stream is refused
         # when it resumes, and the token record restarts (a view's step waiting for its turn is refused as it takes it,
         # SequenceView._take; its record restarts at the next generation or eval)
         self._gen_owner, self._gen_evals = None, -1

@@ -99,6 +99,7 @@ class SequenceView(Llama):
 
     seq: int
     _turns: Turns
+    _whole_context = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - views are made by sequence_views
         raise TypeError("SequenceView is made by pykvcache.parallel.sequence_views(llm)")
@@ -114,10 +115,11 @@ class SequenceView(Llama):
         # generation's token until it samples; any other call of the view holds it until the call ends
         if self._generating and self._gen_stepping:
             self._turns.take(self._turn)
-            if self.__dict__.get("_record_stale"):  # a state was loaded while this step waited: decode nothing
-                raise ConcurrentUseError("this generation was interrupted: a state was loaded into every sequence of "
-                                         "its context (through the Llama or another view) while it waited for its "
-                                         "turn")
+            if self.__dict__.get("_record_stale"):  # its sequence changed while this step waited: decode nothing
+                raise ConcurrentUseError("this generation was interrupted: while it waited for its turn, its sequence's "
+                                         "cache was changed through another user of the context (a state loaded or "
+                                         "a batch run into every sequence, or the Llama running sequence 0, which "
+                                         "it shares with its view of sequence 0)")
         elif not self._turns.held_here() and not self._exclusive.hold(self._turns, object()):
             self._turns.take(self._turn)  # not inside a call of the view (not expected)
 

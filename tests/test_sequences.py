@@ -277,3 +277,38 @@ def test_the_llama_methods_after_a_sequence_view_run_sequence_0(model_path, spec
         return first, then
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("spec", [None, "snapkv:budget=0.5"])
+def test_the_llama_and_its_view_of_sequence_0_share_it_without_stale_records(model_path, spec):
+    """The Llama and its view of sequence 0 run the same sequence, each with a token record of its own: the Llama's
+    repeated prompt after the view had run another was answered from the view's cache ('Spain is' -> 'le. He had a
+    special way of being able to fly', a dragon's story). Each call that changes a sequence's cache now restarts the
+    records of the context's other users of it (and a batch run, of every sequence), and a paused stream of theirs is
+    refused when it resumes."""
+    from pykvcache import ConcurrentUseError
+    from pykvcache.parallel import sequence_views
+
+    a = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+    b = "Once upon a time, in a land far away, there lived a dragon who loved to eat apples and"
+    kw = dict(max_tokens=12, temperature=0)
+
+    def text(who, prompt):
+        return who.create_completion(prompt, **kw)["choices"][0]["text"]
+
+    fresh = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    want_a, want_b = text(fresh, a), text(fresh, b)
+    fresh.close()
+    llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    v0, v1 = sequence_views(llm)
+    assert [text(llm, a), text(v0, b), text(llm, a), text(v0, b)] == [want_a, want_b, want_a, want_b]
+    assert text(v1, b) == want_b
+    llm.generate_batch([llm.tokenize(b.encode())], 4)  # every sequence cleared, sequence 0 holds b now
+    assert [text(v1, b), text(v0, a), text(llm, b)] == [want_b, want_a, want_b]
+    stream = llm.create_completion(a, stream=True, **kw)
+    next(stream)
+    assert text(v0, b) == want_b
+    with pytest.raises(ConcurrentUseError, match="sequence 0"):
+        list(stream)
+    assert text(llm, a) == want_a
+    llm.close()
