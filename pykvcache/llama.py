@@ -210,7 +210,22 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         if self._sampler is None:  # generate() samples with the sampler it made (its grammar checked there)
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
+        if self.__dict__.get("_logits_elsewhere") and self.n_tokens > 0:
+            self._refresh_logits()
         return super().sample(*args, **kwargs)
+
+    def _refresh_logits(self) -> None:
+        # another user of the context decoded since this one's last eval, and a context keeps the logits of its last
+        # decode: this one's last token is evaluated again, as generate() does for a prompt its cache holds whole
+        tokens = [int(t) for t in self.input_ids[: self.n_tokens]]
+        pol = self._kv_policy
+        if pol is not None and pol.retains and self._kv_reuse == "exact":
+            self._kv_reuse_prefix(tokens)  # what of the pruned cache a fresh evaluation reaches (docs/ENGINE.md §7)
+        elif pol is not None and pol.sparse:
+            self.n_tokens = 0  # as generate(): which cached part a fresh evaluation gives is not tracked
+        else:
+            self.n_tokens -= 1
+        self.eval(tokens[self.n_tokens :])
 
     @exclusive
     def create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Any:
@@ -277,6 +292,7 @@ class Llama(llama_cpp.Llama):
                                f"context is unchanged") from None
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
         self._sequence_changed(None)  # every sequence was loaded
+        self._logits_elsewhere = False  # the state's logits (llama-cpp-python still evaluates before it generates)
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -337,6 +353,8 @@ class Llama(llama_cpp.Llama):
         pol = self._kv_policy
         self._select_own_seq()
         self._sequence_changed(self._own_seq)
+        if len(tokens) > 0:
+            self._decodes_in_context()
         n_in = len(tokens)
         # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
         # pruned cache (not a new prompt that no eviction reached: there it would take their full context away)
@@ -476,6 +494,15 @@ class Llama(llama_cpp.Llama):
         for other in list(self.__dict__.get("_family", ())):
             if other is not self and (seq is None or other._own_seq == seq):
                 other._changed_elsewhere()
+
+    def _decodes_in_context(self) -> None:
+        # this call decodes: the context's last logits, which llama-cpp-python samples from, become this one's, and
+        # the other users' next sample first evaluates their last token again (_refresh_logits), their next generation
+        # of a prompt their cache holds whole too (llama-cpp-python's _requires_eval)
+        self._logits_elsewhere = False
+        for other in list(self.__dict__.get("_family", ())):
+            if other is not self:
+                other._logits_elsewhere = other._requires_eval = True
 
     def _changed_elsewhere(self) -> None:
         # another user of this context changed this one's sequence (see _sequence_changed): a paused stream is refused

@@ -311,4 +311,22 @@ def test_the_llama_and_its_view_of_sequence_0_share_it_without_stale_records(mod
     with pytest.raises(ConcurrentUseError, match="sequence 0"):
         list(stream)
     assert text(llm, a) == want_a
+    # the context keeps the logits of its last decode, whoever ran it: a prompt evaluated, then another sequence's
+    # decode, then that prompt's completion or a sample from it ('Spain is' -> ' them.', the dragon's next word)
+    ta, tb = llm.tokenize(a.encode()), llm.tokenize(b.encode())
+    first_a, first_b = llm.tokenize(want_a.encode(), add_bos=False)[0], llm.tokenize(want_b.encode(), add_bos=False)[0]
+    llm.reset()
+    llm.eval(ta)
+    assert text(v1, b) == want_b
+    # its last token evaluated again alone, beside sequence 1 in the full cache's cells: the same first token, the
+    # last digits of the logits may differ from the prompt's batch (as a repeated prompt's, README)
+    assert llm.create_completion(a, max_tokens=1, temperature=0)["choices"][0]["text"] == llm.detokenize([first_a]).decode()
+    llm.reset()
+    llm.eval(ta)
+    v1.create_completion(b, max_tokens=2, temperature=0)
+    assert llm.sample(temp=0) == first_a
+    v1.reset()
+    v1.eval(tb)
+    text(llm, a)
+    assert v1.sample(temp=0) == first_b
     llm.close()
