@@ -219,6 +219,7 @@ class Llama(llama_cpp.Llama):
         # decode: this one's last token is evaluated again, as generate() does for a prompt its cache holds whole
         tokens = [int(t) for t in self.input_ids[: self.n_tokens]]
         pol = self._kv_policy
+        self._select_own_seq()  # the native prefix reuse acts on the selected sequence
         if pol is not None and pol.retains and self._kv_reuse == "exact":
             self._kv_reuse_prefix(tokens)  # what of the pruned cache a fresh evaluation reaches (docs/ENGINE.md §7)
         elif pol is not None and pol.sparse:

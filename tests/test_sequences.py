@@ -287,7 +287,7 @@ def test_the_llama_and_its_view_of_sequence_0_share_it_without_stale_records(mod
     records of the context's other users of it (and a batch run, of every sequence), and a paused stream of theirs is
     refused when it resumes."""
     from pykvcache import ConcurrentUseError
-    from pykvcache.parallel import sequence_views
+    from pykvcache.parallel import sequence_stats, sequence_views
 
     a = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
     b = "Once upon a time, in a land far away, there lived a dragon who loved to eat apples and"
@@ -324,7 +324,10 @@ def test_the_llama_and_its_view_of_sequence_0_share_it_without_stale_records(mod
     llm.reset()
     llm.eval(ta)
     v1.create_completion(b, max_tokens=2, temperature=0)
+    held = [row.get("n_active") for row in sequence_stats(llm, [v0, v1])]
     assert llm.sample(temp=0) == first_a
+    assert [row.get("n_active") for row in sequence_stats(llm, [v0, v1])][1] == held[1]  # sequence 1 untouched
+    assert text(v1, b) == want_b
     v1.reset()
     v1.eval(tb)
     text(llm, a)
