@@ -58,7 +58,7 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) 
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     for p in prompts:  # before any sequence is cleared (a bad id failed in llama_decode, "see the log")
         check_token_ids(p, llm.n_vocab())
-    n_ctx_seq = llm.n_ctx() // n_seq
+    n_ctx_seq = int(llama_cpp.llama_n_ctx(llm._ctx.ctx)) // n_seq  # the context's (a view's n_ctx() is its sequence's)
     longest = max(len(p) for p in prompts) + max_tokens
     if longest > n_ctx_seq:
         raise ValueError(f"a prompt and its {max_tokens} tokens need {longest} positions, each sequence has "
@@ -119,7 +119,7 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
     nctx, ctx, n_batch = llm._native_ctx(), llm._ctx.ctx, llm.n_batch
     if lib.llama_kvp_seq_select(nctx, s) != 0:
         raise PolicyError(last_error())
-    evicted0 = llm._n_evicted() if llm._latent_at_end else 0
+    evicted0 = llm._n_evicted(nctx) if llm._latent_at_end else 0  # nctx: sequence s stays selected
     k = 0
     if llm.kv_policy.guides and len(p) > 1:  # question-guided chunks, scored by the prompt's end run behind them
         k = lib.llama_kvp_prefill_guided(nctx, list(p), len(p), 0)
@@ -133,7 +133,7 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
         _decode(ctx, batch)
     if llm._latent_at_end and len(p) > 1:
         # re-ranked by the prompt's end, its last tokens evaluated again (stages/schedule-latent.cpp), as in Llama.eval
-        pruned = llm._n_evicted() > evicted0
+        pruned = llm._n_evicted(nctx) > evicted0
         if lib.llama_kvp_latent_prompt_end(nctx, list(p), len(p), 0, pruned, ffi.NULL) < 0:
             raise RuntimeError(last_error())
         return _argmax(ctx, -1, llm.n_vocab())

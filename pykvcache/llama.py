@@ -202,6 +202,7 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         self._interrupt_paused_generation()
         self._sequence_changed(None if self._whole_context else self._own_seq)
+        self._decodes_in_context()
         return super().embed(*args, **kwargs)
 
     @exclusive
@@ -210,7 +211,11 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         if self._sampler is None:  # generate() samples with the sampler it made (its grammar checked there)
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
-        if self.__dict__.get("_logits_elsewhere") and self.n_tokens > 0:
+        if self.__dict__.get("_logits_elsewhere"):
+            if self.n_tokens == 0:
+                raise ConcurrentUseError("nothing of this sequence to sample from: another user of the context (the "
+                                         "Llama or a sequence view: a run of the same sequence, a batch, a state "
+                                         "load) changed it since this one's last eval; evaluate the prompt again")
             self._refresh_logits()
         return super().sample(*args, **kwargs)
 
@@ -262,7 +267,9 @@ class Llama(llama_cpp.Llama):
     def save_state(self) -> "llama_cpp.llama.LlamaState":
         """The context's state, KV policy state included (llama_cpp.Llama.save_state)."""
         self._check_open()
-        return super().save_state()
+        state = super().save_state()
+        state.pykvcache_seq = self._own_seq  # whose token record it carries (a sequence view's: its sequence's)
+        return state
 
     @exclusive
     def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
@@ -294,6 +301,11 @@ class Llama(llama_cpp.Llama):
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
         self._sequence_changed(None)  # every sequence was loaded
         self._logits_elsewhere = False  # the state's logits (llama-cpp-python still evaluates before it generates)
+        if getattr(state, "pykvcache_seq", self._own_seq) != self._own_seq:
+            # saved through a view of another sequence (or the Llama, loaded through a view): the token record it
+            # carries is that sequence's, not this one's
+            self.n_tokens = 0
+            self._logits_elsewhere = True
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -301,7 +313,12 @@ class Llama(llama_cpp.Llama):
         return self._kv_policy
 
     def _native_ctx(self) -> Any:
-        return ctx_pointer(self._ctx.ctx)
+        ctx = ctx_pointer(self._ctx.ctx)
+        if "_family" in self.__dict__ and self._kv_policy is not None and self._kv_policy.retains:
+            # beside sequence views the selected sequence is whichever ran last: this one's reads and edits are its own
+            # sequence's (sequence_stats reads each in turn through _reading_seq)
+            native()[1].llama_kvp_seq_select(ctx, self.__dict__.get("_reading_seq", self._own_seq))
+        return ctx
 
     _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
     _whole_context = True  # its context's cache clear and batches reach every sequence (a sequence view's: its own)
@@ -310,7 +327,7 @@ class Llama(llama_cpp.Llama):
         # the native calls of a prompt (budget, guided prefill, prefix reuse) act on the selected sequence, which
         # another user of the context (a sequence view) may have changed
         if self._n_seq_max > 1 and self._kv_policy is not None and self._kv_policy.retains:
-            native()[1].llama_kvp_seq_select(self._native_ctx(), self._own_seq)
+            native()[1].llama_kvp_seq_select(self._native_ctx(), self._own_seq)  # a view's takes its turn first
 
     @exclusive
     def native_policy(self) -> Policy:
@@ -325,7 +342,7 @@ class Llama(llama_cpp.Llama):
     def kv_stats(self) -> KVStats:
         """KV-cache memory per layer and in total, read from the real ggml buffers.
 
-        With a retention policy and several sequences: the current sequence's caches."""
+        With a retention policy and several sequences: the current sequence's caches (beside sequence views, this one's)."""
         ffi, lib = native()
         ctx = self._native_ctx()
         n = lib.llama_kvp_n_layers(ctx)
@@ -412,11 +429,12 @@ class Llama(llama_cpp.Llama):
             if lib.llama_kvp_latent_prompt_end(self._native_ctx(), prompt, n_in, pos0, pruned, out) < 0:
                 raise RuntimeError(last_error())
 
-    def _n_evicted(self) -> int:
-        # the tokens the memory's layers have evicted since the context was made
+    def _n_evicted(self, ctx: Any = None) -> int:
+        # the tokens the memory's layers have evicted since the context was made (of the sequence selected in ctx, a
+        # native context pointer, when given: generate_batch works on one sequence after another)
         ffi, lib = native()
         info = ffi.new("struct llama_kvp_memory_info *")
-        if lib.llama_kvp_memory_info(self._native_ctx(), info) != 0:
+        if lib.llama_kvp_memory_info(self._native_ctx() if ctx is None else ctx, info) != 0:
             raise RuntimeError(last_error())
         return int(info.n_evicted)
 
@@ -508,8 +526,9 @@ class Llama(llama_cpp.Llama):
     def _changed_elsewhere(self) -> None:
         # another user of this context changed this one's sequence (see _sequence_changed): a paused stream is refused
         # when it resumes, and the token record restarts (a view's step waiting for its turn is refused as it takes it,
-        # SequenceView._take; its record restarts at the next generation or eval)
+        # SequenceView._take; its record restarts at the next generation or eval); nothing is left to sample from
         self._gen_owner, self._gen_evals = None, -1
+        self._logits_elsewhere = True
         if self._gen_stepping:
             self._record_stale = True
         else:
@@ -552,7 +571,8 @@ class Llama(llama_cpp.Llama):
     def kv_memory(self) -> KVMemory:
         """KV memory now and at its peak, with the per-layer budgets of a policy.
 
-        The memory is in bytes of the real ggml buffers, all sequences; the budgets are of the current sequence."""
+        The memory is in bytes of the real ggml buffers, all sequences; the budgets are of the current sequence (beside
+        sequence views, this one's)."""
         ffi, lib = native()
         ctx = self._native_ctx()
         info = ffi.new("struct llama_kvp_memory_info *")

@@ -19,7 +19,7 @@ from typing import Any, Deque, Generator, List, Optional, Sequence
 
 import numpy as np
 
-from ._native import native
+from ._native import ctx_pointer, native
 from .llama import Llama
 from .threads import ConcurrentUseError, Exclusive, exclusive
 
@@ -106,6 +106,18 @@ class SequenceView(Llama):
 
     def close(self) -> None:
         """A view owns nothing: closing the `Llama` it came from frees the model and context."""
+
+    def __getstate__(self) -> Any:
+        raise TypeError("a sequence view cannot be pickled (it is one sequence of another Llama's context): pickle "
+                        "the Llama it came from, and make its views again with sequence_views")
+
+    def embed(self, input: Any, *args: Any, **kwargs: Any) -> Any:
+        """Embeddings of text in this view's sequence (llama_cpp.Llama.embed), one text per call."""
+        if isinstance(input, list) and len(input) > 1:
+            # llama-cpp-python puts each text of a batch in a sequence of its own; a view has one
+            raise ValueError(f"a sequence view embeds one text per call ({len(input)} given): embed them one at a "
+                             f"time")
+        return super().embed(input, *args, **kwargs)
 
     def __del__(self) -> None:
         pass
@@ -217,20 +229,29 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
 
     Read between two decode steps of the views (within `turn` when the caller holds the context already); the current
     sequence stays the one it was."""
-    _, lib = native()
+    ffi, lib = native()
     pol = llm.kv_policy
     own = turn is None
     turn = object() if turn is None else turn
     views[0]._turns.take(turn)
     try:
         res = []
-        current = llm.kv_memory().seq if pol is not None and pol.retains else -1
+        current = -1
+        if pol is not None and pol.retains:  # the sequence selected now, read without selecting the Llama's own
+            info = ffi.new("struct llama_kvp_memory_info *")
+            if lib.llama_kvp_memory_info(ctx_pointer(llm._ctx.ctx), info) == 0:
+                current = int(info.seq)
         for v in views:
-            row: dict = {"seq": v.seq, "n_tokens": int(v.n_tokens), "n_ctx": v._n_ctx}
+            # sequence 0 is the Llama's too: of the two token records, the one not restarted by the other's last run
+            n_tokens = max(int(v.n_tokens), int(llm.n_tokens)) if v.seq == llm._own_seq else int(v.n_tokens)
+            row: dict = {"seq": v.seq, "n_tokens": n_tokens, "n_ctx": v._n_ctx}
             if pol is not None and pol.retains:
-                lib.llama_kvp_seq_select(llm._native_ctx(), v.seq)
-                mem = llm.kv_memory()
-                stats = llm.kv_stats()
+                llm._reading_seq = v.seq  # the Llama's reads select this sequence instead of its own
+                try:
+                    mem = llm.kv_memory()
+                    stats = llm.kv_stats()
+                finally:
+                    del llm._reading_seq
                 row.update(budget=mem.budget, n_active=mem.n_active, kv_bytes=stats.total_bytes,
                            n_evicted=sum(b.n_evicted for b in mem.layers))
                 row["layers"] = [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used,
@@ -238,7 +259,7 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
                                   "n_evicted": b.n_evicted} for s, b in zip(stats.layers, mem.layers)]
             res.append(row)
         if current >= 0:
-            lib.llama_kvp_seq_select(llm._native_ctx(), current)
+            lib.llama_kvp_seq_select(ctx_pointer(llm._ctx.ctx), current)
         return res
     finally:
         if own:

@@ -333,3 +333,69 @@ def test_the_llama_and_its_view_of_sequence_0_share_it_without_stale_records(mod
     text(llm, a)
     assert v1.sample(temp=0) == first_b
     llm.close()
+
+
+def test_a_llama_and_its_views_read_and_load_their_own_sequences(model_path):
+    """Found by an audit: a state saved through one user of the context and loaded through another gave the loader
+    the saver's token record over other caches ('The capital of France is' -> ' the primary color...'); a sample after
+    another user restarted the record raised a bare AssertionError (with python -O: a token of the other's logits);
+    the Llama's cache reads described whichever sequence a view ran last; sequence_stats gave sequence 0 no tokens
+    after the Llama ran it; generate_batch through a view allowed half a sequence's positions; a view's embed of
+    several texts failed in llama_decode, and a pickled view did not unpickle."""
+    import pickle
+
+    from pykvcache import ConcurrentUseError
+    from pykvcache.parallel import sequence_stats, sequence_views
+
+    a, b = "The capital of France is", "The three primary colors are"
+    kw = dict(max_tokens=10, temperature=0)
+
+    def text(who, prompt):
+        return who.create_completion(prompt, **kw)["choices"][0]["text"]
+
+    spec = "snapkv:budget=0.5"
+    fresh = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    want_a, want_b = text(fresh, a), text(fresh, b)
+    fresh.close()
+    llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    v0, v1 = sequence_views(llm)
+    assert [text(llm, a), text(v1, b)] == [want_a, want_b]
+    state = llm.save_state()
+    v1.load_state(state)  # sequence 1 holds b: the record of a that the state carries is sequence 0's
+    assert [text(v1, a), text(v1, b)] == [want_a, want_b]
+    llm.load_state(pickle.loads(pickle.dumps(v1.save_state())))
+    assert text(llm, b) == want_b
+    # the Llama's reads are of sequence 0, whichever view ran last; sequence_stats counts the Llama's tokens there
+    assert text(v1, a) == want_a and llm.kv_memory().seq == 0 and v1.kv_memory().seq == 1
+    assert sequence_stats(llm, [v0, v1])[0]["n_tokens"] == llm.n_tokens > 0
+    llm.reset()
+    llm.eval(llm.tokenize(a.encode()))
+    text(v0, b)
+    with pytest.raises(ConcurrentUseError, match="nothing of this sequence to sample from"):
+        llm.sample(temp=0)
+    out = v1.generate_batch([v1.tokenize(b.encode())], N_CTX_SEQ - len(v1.tokenize(b.encode())))
+    assert len(out[0]) > 0
+    with pytest.raises(ValueError, match="one text per call"):
+        v1.embed(["one", "two"])
+    with pytest.raises(TypeError, match="pickle the Llama it came from"):
+        pickle.dumps(v1)
+    llm.close()
+
+
+def test_a_batch_beside_sequence_views_runs_each_prompt_in_its_own_sequence(model_path):
+    """generate_batch selects each prompt's sequence for the native prefill steps; beside sequence views the Llama's
+    native calls select its own sequence, and a count read in between (the latent re-ranking's) switched the guided
+    prefill to sequence 0: 'prefill_guided: llama_decode failed (-1)'."""
+    from pykvcache import corpus
+    from pykvcache.parallel import sequence_views
+
+    spec = "snapkv:budget=0.25+host+latent:gap=0"
+    outs = []
+    for views in (False, True):
+        llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+        if views:
+            sequence_views(llm)[1].create_completion("Hello there", max_tokens=3)
+        prompts = [llm.tokenize(t[:1500].encode())[:300] for t in corpus.essays()[:2]]
+        outs.append(llm.generate_batch(prompts, 8))
+        llm.close()
+    assert outs[0] == outs[1]
