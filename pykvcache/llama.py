@@ -213,9 +213,10 @@ class Llama(llama_cpp.Llama):
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
         if self.__dict__.get("_logits_elsewhere"):
             if self.n_tokens == 0:
-                raise ConcurrentUseError("nothing of this sequence to sample from: another user of the context (the "
-                                         "Llama or a sequence view: a run of the same sequence, a batch, a state "
-                                         "load) changed it since this one's last eval; evaluate the prompt again")
+                raise ConcurrentUseError("nothing of this sequence to sample from: its token record restarted since "
+                                         "its last eval (another user of the context ran its sequence, a batch "
+                                         "cleared every sequence, or a state saved through another sequence was "
+                                         "loaded); evaluate the prompt again")
             self._refresh_logits()
         return super().sample(*args, **kwargs)
 
@@ -300,12 +301,13 @@ class Llama(llama_cpp.Llama):
                                f"context is unchanged") from None
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
         self._sequence_changed(None)  # every sequence was loaded
-        self._logits_elsewhere = False  # the state's logits (llama-cpp-python still evaluates before it generates)
+        # a loaded state's logits are not a live decode's (a fresh context's are none: llama.cpp's sampler aborted):
+        # llama-cpp-python evaluates the last token again before it generates, and sample() does too
+        self._logits_elsewhere = True
         if getattr(state, "pykvcache_seq", self._own_seq) != self._own_seq:
             # saved through a view of another sequence (or the Llama, loaded through a view): the token record it
             # carries is that sequence's, not this one's
             self.n_tokens = 0
-            self._logits_elsewhere = True
 
     @property
     def kv_policy(self) -> Optional[Policy]:

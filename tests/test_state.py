@@ -90,3 +90,35 @@ def test_a_state_of_other_keys_or_more_positions_is_refused_with_its_reason(mode
     with pytest.raises(RuntimeError, match="cannot be loaded here: .*" + reason + ".*the context is unchanged"):
         llm.load_state(state)
     assert llm.n_tokens == n_tokens and np.array_equal(logits(llm), before)
+
+
+@pytest.mark.parametrize("spec", [None, "snapkv:budget=0.5"])
+def test_a_sample_right_after_a_load_is_the_saved_prompts_next_token(model_path, tmp_path, spec):
+    """Found by an audit: sample() right after load_state read logits no decode had written: a wrong token on the
+    context that went on past the save (':' for ' Paris'), and on a new context llama.cpp's sampler aborted the
+    process (GGML_ASSERT(logits != nullptr)). llama-cpp-python's own generate() evaluates the last token again after
+    a load; sample() now does too."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "load_sample.py"
+    script.write_text(textwrap.dedent(f"""
+        import pickle
+        from pykvcache import Llama
+        mk = lambda: Llama({model_path!r}, n_ctx=1024, n_threads=1, verbose=False, kv_policy={spec!r})
+        llm = mk()
+        prompt = llm.tokenize(b"The capital of France is")
+        llm.eval(prompt)
+        want = llm.sample(temp=0)
+        state = pickle.dumps(llm.save_state())
+        llm.eval(llm.tokenize(b" a city of light and of many museums", add_bos=False))  # went on past the save
+        llm.load_state(pickle.loads(state))
+        print("SAME", llm.sample(temp=0) == want)
+        new = mk()
+        new.load_state(pickle.loads(state))
+        print("NEW", new.sample(temp=0) == want)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SAME True" in out.stdout and "NEW True" in out.stdout, out.stdout
