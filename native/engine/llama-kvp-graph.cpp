@@ -60,9 +60,9 @@ public:
 
     // the causal mask of a layer's cache for a ubatch of one sequence, as llama_kv_cache::set_input_kq_mask writes it
     // (0 where the cell holds a token of the sequence at or before the row's position, -inf elsewhere), in one pass
-    // over the cells and a plain loop per row instead of that builder's bookkeeping for rows of several sequences (a
-    // third of the per-layer memory's host time per decode step); false where it needs that builder (several
-    // sequences in the ubatch, M-RoPE positions, ALiBi, non-causal attention)
+    // over the cells and a plain loop per row instead of that builder's bookkeeping for rows of several sequences (the
+    // largest host symbol of a decode step under perf; a third of a 4k prompt's host time); false where it needs that
+    // builder (several sequences in the ubatch, M-RoPE positions, ALiBi, non-causal attention)
     bool llama_kvp_mask_causal(const llama_kv_cache & kv, const llama_ubatch & ub, ggml_tensor & mask, std::vector<llama_pos> & pos) const {
         if (!cparams.causal_attn || hparams.use_alibi || ub.is_pos_2d() || ub.n_tokens == 0 || mask.ne[1] != (int64_t) ub.n_tokens ||
             mask.ne[2] != 1 || mask.ne[3] != 1 || (mask.type != GGML_TYPE_F16 && mask.type != GGML_TYPE_F32)) {
