@@ -19,7 +19,6 @@ from typing import Any, Deque, Generator, List, Optional, Sequence
 
 import numpy as np
 
-from ._native import ctx_pointer, native
 from .llama import Llama
 from .threads import ConcurrentUseError, Exclusive, exclusive
 
@@ -143,12 +142,10 @@ class SequenceView(Llama):
         return self.seq
 
     def _native_ctx(self) -> Any:
-        # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence
+        # the native calls (budget, guided prefill, prefix reuse, telemetry) act on the selected sequence, which the
+        # Llama's _native_ctx selects (this view's, a member of the Llama's family) once the view holds its turn
         self._take()
-        ctx = super()._native_ctx()
-        if self._kv_policy is not None and self._kv_policy.retains:
-            native()[1].llama_kvp_seq_select(ctx, self.seq)
-        return ctx
+        return super()._native_ctx()
 
     @exclusive
     def eval(self, tokens: Sequence[int]) -> None:
@@ -227,20 +224,13 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:
     """Each sequence's tokens, budget, active cells and per-layer caches.
 
-    Read between two decode steps of the views (within `turn` when the caller holds the context already); the current
-    sequence stays the one it was."""
-    ffi, lib = native()
+    Read between two decode steps of the views (within `turn` when the caller holds the context already)."""
     pol = llm.kv_policy
     own = turn is None
     turn = object() if turn is None else turn
     views[0]._turns.take(turn)
     try:
         res = []
-        current = -1
-        if pol is not None and pol.retains:  # the sequence selected now, read without selecting the Llama's own
-            info = ffi.new("struct llama_kvp_memory_info *")
-            if lib.llama_kvp_memory_info(ctx_pointer(llm._ctx.ctx), info) == 0:
-                current = int(info.seq)
         for v in views:
             # sequence 0 is the Llama's too: of the two token records, the one not restarted by the other's last run
             n_tokens = max(int(v.n_tokens), int(llm.n_tokens)) if v.seq == llm._own_seq else int(v.n_tokens)
@@ -258,9 +248,7 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
                                   "bytes": s.k_bytes + s.v_bytes, "budget": b.budget, "entropy": b.entropy,
                                   "n_evicted": b.n_evicted} for s, b in zip(stats.layers, mem.layers)]
             res.append(row)
-        if current >= 0:
-            lib.llama_kvp_seq_select(ctx_pointer(llm._ctx.ctx), current)
-        return res
+        return res  # the selected sequence is the last read's: every user selects its own before its native calls
     finally:
         if own:
             views[0]._turns.give(turn)

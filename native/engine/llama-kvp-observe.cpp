@@ -1371,10 +1371,7 @@ int32_t llama_kvp_obs_layer_query_entropy(llama_kvp_context * st, int32_t ikv, s
 int32_t llama_kvp_obs_layer_query_entropy_at_obs(llama_kvp_context * st, int32_t ikv, const std::vector<float> ** ent,
                                                  const std::vector<llama_pos> ** pos) {
     auto & L = st->layers[ikv];
-    if (L.q_ent_obs != st->n_obs) {
-        llama_kvp_obs_layer_query_entropy(st, ikv, L.q_ent, L.q_ent_pos);
-        L.q_ent_obs = st->n_obs;
-    }
+    llama_kvp_obs_query_entropy_layers(st, { ikv }, 1); // computes it only if not yet for this observation
     *ent = &L.q_ent;
     *pos = &L.q_ent_pos;
     return (int32_t) L.q_ent.size();
@@ -1385,11 +1382,15 @@ void llama_kvp_obs_query_entropy_layers(llama_kvp_context * st, const std::vecto
     std::vector<const float *>      rows;
     std::vector<std::vector<float>> bufs;
     bufs.reserve(ikvs.size());
-    llama_kvp_sync(st);
+    bool synced = false; // the graphs waited for once, and only where some layer is computed
     for (int32_t ikv : ikvs) {
         auto & L = st->layers[ikv];
         if (L.q_ent_obs == st->n_obs) {
             continue;
+        }
+        if (!synced) {
+            llama_kvp_sync(st);
+            synced = true;
         }
         const int32_t n_kv = llama_kvp_obs_query_entropy_n_kv(st, ikv);
         L.q_ent.assign(n_kv, -1.0f);
