@@ -20,6 +20,7 @@ from typing import Any, Deque, Generator, List, Optional, Sequence
 import numpy as np
 
 from .llama import Llama
+from .stages import server_stats
 from .threads import ConcurrentUseError, Exclusive, exclusive
 
 
@@ -112,7 +113,8 @@ class SequenceView(Llama):
 
     def embed(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         """Embeddings of text in this view's sequence (llama_cpp.Llama.embed), one text per call."""
-        if isinstance(input, list) and len(input) > 1:
+        if isinstance(input, list) and len(input) > 1 and self.context_params.embeddings:
+            # (without embedding=True, llama-cpp-python's own error first: a batch would fail the same way)
             # llama-cpp-python puts each text of a batch in a sequence of its own; a view has one
             raise ValueError(f"a sequence view embeds one text per call ({len(input)} given): embed them one at a "
                              f"time")
@@ -222,7 +224,7 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
 
 
 def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object] = None) -> List[dict]:
-    """Each sequence's tokens, budget, active cells and per-layer caches.
+    """Each sequence's tokens, budget, active cells, per-layer caches and its stages' counters.
 
     Read between two decode steps of the views (within `turn` when the caller holds the context already)."""
     pol = llm.kv_policy
@@ -240,6 +242,7 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
                 try:
                     mem = llm.kv_memory()
                     stats = llm.kv_stats()
+                    shown = server_stats(llm)  # its stages' state (summarise's bins, the host tier's tokens)
                 finally:
                     del llm._reading_seq
                 row.update(budget=mem.budget, n_active=mem.n_active, kv_bytes=stats.total_bytes,
@@ -247,6 +250,7 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
                 row["layers"] = [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used,
                                   "bytes": s.k_bytes + s.v_bytes, "budget": b.budget, "entropy": b.entropy,
                                   "n_evicted": b.n_evicted} for s, b in zip(stats.layers, mem.layers)]
+                row.update(shown)
             res.append(row)
         return res  # the selected sequence is the last read's: every user selects its own before its native calls
     finally:

@@ -18,7 +18,7 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 
@@ -205,6 +205,11 @@ class Stage:
     def server_stats(cls, llm: Any) -> Optional[Dict[str, Any]]:
         """What `pykvcache serve`'s KV stats show of this stage's state in a context (None: nothing)."""
         return None
+
+    @classmethod
+    def server_stats_total(cls, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The server_stats of several sequences as one: each count added up."""
+        return {k: sum(b[k] for b in blocks) for k in blocks[0]} if blocks else {}
 
     def __add__(self, other: "Stage | Stages") -> "Stages":
         """This stage and the other(s), to be added to a policy together."""

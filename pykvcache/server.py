@@ -19,7 +19,7 @@ from . import _native  # noqa: F401  (before llama_cpp: points it at the patched
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
 from .rpc import RPCError
-from .stages import STAGES
+from .stages import server_stats as stage_server_stats, server_stats_total
 
 try:
     import llama_cpp
@@ -119,11 +119,7 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
         # host memory beside the cache (not in kv_bytes): the host tier's tokens or summarise's pending bins
         res["host_bytes"] = mem.host_bytes
         res["host_bytes_peak"] = mem.host_bytes_peak
-        for name in pol.describe()["stages"].values():  # what a stage shows of its own state (host, summarise)
-            stage = STAGES.get(name)
-            shown = stage.server_stats(llama) if stage is not None else None
-            if shown is not None:
-                res[name] = shown
+        res.update(stage_server_stats(llama))  # what a stage shows of its own state (host, summarise)
         for row, b in zip(res["layers"], mem.layers):
             row["budget"] = b.budget
             row["entropy"] = b.entropy
@@ -303,6 +299,8 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
                            for rows_l in zip(*(r["layers"] for r in seqs))]
         entry["kv_bytes"] = sum(r["kv_bytes"] for r in seqs)  # kv_bytes_peak stays the memory's, of all sequences
         entry["n_evicted"] = sum(r["n_evicted"] for r in seqs)
+        for name in stage_server_stats(pool.llama):  # a stage's counters too (summarise's bins, the host tier's)
+            entry[name] = server_stats_total(name, [r[name] for r in seqs])
         for key in ("budget", "telemetry"):
             entry.pop(key, None)
     return entry

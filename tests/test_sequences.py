@@ -375,10 +375,15 @@ def test_a_llama_and_its_views_read_and_load_their_own_sequences(model_path):
         llm.sample(temp=0)
     out = v1.generate_batch([v1.tokenize(b.encode())], N_CTX_SEQ - len(v1.tokenize(b.encode())))
     assert len(out[0]) > 0
-    with pytest.raises(ValueError, match="one text per call"):
-        v1.embed(["one", "two"])
     with pytest.raises(TypeError, match="pickle the Llama it came from"):
         pickle.dumps(v1)
+    with pytest.raises(RuntimeError, match="embedding=True"):  # llama-cpp-python's error first, as for one text
+        v1.embed(["one", "two"])
+    llm.close()
+    llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec, embedding=True)
+    v0, v1 = sequence_views(llm)
+    with pytest.raises(ValueError, match="one text per call"):
+        v1.embed(["one", "two"])
     llm.close()
 
 

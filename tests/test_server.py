@@ -399,6 +399,35 @@ def test_serve_help_reads_clean():
 
 
 @pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
+                                         ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise")])
+def test_parallel_kv_stats_add_up_the_stages_counters(model_path, spec, block):
+    """Found by an audit: under --n_parallel the top-level host tier's or summarise's counters were sequence 0's
+    alone (0 bins while sequence 1 summarised) and the sequences' rows had none."""
+    from conftest import PROSE
+
+    import pykvcache
+    from pykvcache.server import ViewPool, pool_stats
+
+    llm = pykvcache.Llama(model_path, n_ctx=1024, n_seq_max=2, kv_policy=spec, n_threads=1, n_threads_batch=1,
+                          verbose=False)
+    try:
+        pool = ViewPool(2)
+        pool._views_of(llm)
+        pool.views[1].create_completion(PROSE * 4, max_tokens=4, temperature=0)
+        m = json.loads(json.dumps(pool_stats(pool, {"m": {}})))  # JSON-ready
+        rows = [r[block] for r in m["sequences"]]
+        count = "n_evict" if block == "host" else "n_bins"
+        assert rows[0][count] == 0 < rows[1][count] == m[block][count]
+        assert m[block] == rows[1] and set(m[block]) == set(rows[0])
+        pool.views[0].create_completion(PROSE * 3, max_tokens=4, temperature=0)
+        m = pool_stats(pool, {"m": {}})
+        rows = [r[block] for r in m["sequences"]]
+        assert 0 < rows[0][count] and m[block][count] == rows[0][count] + rows[1][count]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
                                          ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
                                          ("none+sparse", None), (None, None)])
 def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Any, Dict, List, Type
 
 from ..policies import Stage
 from .budget_entropy import EntropyBudget
@@ -28,4 +28,22 @@ STAGES: Dict[str, Type[Stage]] = {
                 SparsePrefill)
 }
 
-__all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES"]
+
+
+def server_stats(llm: Any) -> Dict[str, Dict[str, Any]]:
+    """What each stage of a context's policy shows of its state, by stage name (`pykvcache serve`'s KV stats)."""
+    res: Dict[str, Dict[str, Any]] = {}
+    for name in llm.kv_policy.describe()["stages"].values():
+        stage = STAGES.get(name)
+        shown = stage.server_stats(llm) if stage is not None else None
+        if shown is not None:
+            res[name] = shown
+    return res
+
+
+def server_stats_total(name: str, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One stage's blocks of several sequences as one (counts added up)."""
+    return STAGES[name].server_stats_total(blocks)
+
+
+__all__ = [cls.__name__ for cls in STAGES.values()] + ["STAGES", "server_stats", "server_stats_total"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional
 
 import numpy as np
 
@@ -42,6 +42,14 @@ class SummariseFate(Stage):
         res: Dict[str, Any] = {k: int(getattr(out, k)) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback",
                                                                  "n_dropped")}
         res["fit_err"] = float(out.fit_err)
+        return res
+
+    @classmethod
+    def server_stats_total(cls, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The counts of several sequences added up, the fit error their mean over the bins fitted."""
+        res = {k: sum(b[k] for b in blocks) for k in blocks[0] if k != "fit_err"} if blocks else {}
+        fitted = [max(b["n_bins"] - b["n_fallback"], 0) for b in blocks]
+        res["fit_err"] = sum(b["fit_err"]*n for b, n in zip(blocks, fitted))/sum(fitted) if sum(fitted) else 0.0
         return res
 
 
