@@ -299,8 +299,9 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
                            for rows_l in zip(*(r["layers"] for r in seqs))]
         entry["kv_bytes"] = sum(r["kv_bytes"] for r in seqs)  # kv_bytes_peak stays the memory's, of all sequences
         entry["n_evicted"] = sum(r["n_evicted"] for r in seqs)
-        for name in stage_server_stats(pool.llama):  # a stage's counters too (summarise's bins, the host tier's)
-            entry[name] = server_stats_total(name, [r[name] for r in seqs])
+        for name in pool.llama.kv_policy.describe()["stages"].values():  # the stages' counters too (summarise's,
+            if name in seqs[0]:                                            # the host tier's)
+                entry[name] = server_stats_total(name, [r[name] for r in seqs])
         for key in ("budget", "telemetry"):
             entry.pop(key, None)
     return entry
