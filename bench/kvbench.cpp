@@ -306,7 +306,8 @@ static void kvbench_usage(const char * argv0) {
     printf("                            flash attention (default: on; auto: llama.cpp's choice per device, on for the CPU);\n");
     printf("                            with a list (-fa off,on), each is a test of its own, its ratios against the full\n");
     printf("                            cache with the same flash attention (JSON: the run's flash_attn is the first)\n");
-    printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens)\n");
+    printf("  -f, --file FNAME          text whose tokens are used (repeated as needed; default: random tokens, when\n");
+    printf("                            kvbench runs alone; `pykvcache bench` gives it the essays)\n");
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
     printf("                            a run that fails part way prints the tests measured before it and exits 1\n");
@@ -328,7 +329,9 @@ static void kvbench_usage(const char * argv0) {
     printf("json) pool every policy's limit steps at that depth.\n");
     printf("host memory of the fate stage (not in KV MiB; md: a second table): its peak bytes, for the host tier (a policy with\n");
     printf("+host) with its token moves per repetition, all layers: frozen, evicted to host, thawed, dropped for good, latent\n");
-    printf("re-ranks, promoted, recovery ladder events; for summarise, the pending bins (as allocated).\n");
+    printf("re-ranks, promoted, recovery ladder events; for summarise, the pending bins (as allocated), the bins fitted\n");
+    printf("and the fits' time (json, per repetition: sum_bins, sum_ms_pp in the prompt, sum_ms_tg over all decoded tokens;\n");
+    printf("md: per decoded token).\n");
     printf("policy host time (md: a table of its own; host_ms_* in json, per repetition): the time the policy's own code took\n");
     printf("on the host around llama.cpp's graphs (llama_kvp_perf), for the prompt and per decoded token, by part: prepare\n");
     printf("(budgets, scores, evictions, the fate stage's work), slots (each layer's cells for the ubatch), inputs (per-layer\n");

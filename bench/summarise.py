@@ -60,6 +60,16 @@ def attention_fidelity(llm: Any, held: List[Tuple[np.ndarray, float, np.ndarray]
     return {"attn_mse": mse, "attn_cos": cos}
 
 
+def cells_in_use(llm: Any) -> Dict[str, Any]:
+    """The cells in use (real tokens and centroids) per layer and their KV bytes: the equal bytes REAL compares.
+
+    Read after the timed tokens: after a prompt or a streamed chunk eviction waits for the next step, where summarise
+    evicts at once."""
+    layers = llm.kv_stats().layers
+    return {"cells_per_layer": float(np.mean([s.n_used for s in layers])),
+            "kv_bytes_used": int(sum(s.n_used * (s.k_bytes + s.v_bytes) // max(s.n_cells, 1) for s in layers))}
+
+
 def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_gen: int,
         held: List[Tuple[np.ndarray, float, np.ndarray]]) -> Dict[str, Any]:
     """Streamed KL/top-1 against the full cache, attention fidelity per layer, KV bytes, summarise telemetry and
@@ -87,6 +97,7 @@ def run(cfg: EvalConfig, spec: str, tokens: List[int], ref: List[np.ndarray], n_
     t0 = time.perf_counter()
     r.greedy(n_gen)
     row["ms_per_token"] = 1e3 * (time.perf_counter() - t0) / n_gen
+    row.update(cells_in_use(r.llm))
     if summ:
         row["summarise_ms_per_token"] = (r.llm.kv_summary().t_ms - t_prev) / n_gen
     r.close()
@@ -129,7 +140,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg.validate()
         for name in cfg.policies:
             for frac in cfg.budgets:
-                parse_policy(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise)
+                pol = parse_policy(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise)
+                if pol.describe()["stages"].get("fate") != "summarise":
+                    raise ValueError(f"--summarise takes the summarise stage with its keys (e.g. summarise:bin=32,rank=4), "
+                                     f"got {a.summarise!r}")
+        if not any(abs(f - a.needle_budget) < 1e-9 for f in cfg.budgets):
+            raise ValueError(f"--needle-budget {a.needle_budget:g} is not one of --budgets ({a.budgets}): the needles run "
+                             f"at one of them")
         kinds = a.needles.split(",")
         if any(k not in ("classic", "varied") for k in kinds) or len(set(kinds)) < len(kinds):
             raise ValueError(f"--needles takes classic and/or varied, comma-separated, each once (got {a.needles!r})")
@@ -142,18 +159,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, PolicyError) as exc:
         ap.error(str(exc))
     full = Runner(None, cfg)
-    tokens, hay = eval_texts(cfg, full.llm)
-    cases = [dict(c, kind=kind, seed=seed) for kind in kinds for seed in seeds for n in cfg.needle_lengths
-             for c in needle_cases(full.llm, hay, n, cfg.depths, seed, kind=kind)]
+    try:  # the texts, and what only the model can check of the specs (rank against the head size), before the runs
+        tokens, hay = eval_texts(cfg, full.llm)
+        cases = [dict(c, kind=kind, seed=seed) for kind in kinds for seed in seeds for n in cfg.needle_lengths
+                 for c in needle_cases(full.llm, hay, n, cfg.depths, seed, kind=kind)]
+        for name in cfg.policies:
+            for frac in cfg.budgets:
+                Runner(policy_spec(name, int(round(frac * (cfg.kl_tokens - cfg.stream)))) + "+" + a.summarise,
+                       cfg).close()
+    except (ValueError, PolicyError) as exc:
+        full.close()
+        ap.error(str(exc))
     ref = stream_logprobs(full, tokens, cfg.stream, cfg.stream_chunk)
     t0 = time.perf_counter()
     full.greedy(a.n_gen)
     full_ms = 1e3 * (time.perf_counter() - t0) / a.n_gen
+    full_used = cells_in_use(full.llm)
     full_hits = needle_hits(full, cases)
     full.close()
     held = held_out_outputs(cfg, tokens, len(tokens) - cfg.stream, a.attn_queries)
     rows: List[Dict[str, Any]] = [{"spec": "full", "kl_mean": 0.0, "top1": 1.0, "ms_per_token": full_ms,
-                                   "needle_hits": full_hits}]
+                                   "needle_hits": full_hits, **full_used}]
     print(f"full: {full_ms:.1f} ms/token, needles {sum(full_hits)}/{len(full_hits)}", file=sys.stderr, flush=True)
 
     n_prefix = cfg.kl_tokens - cfg.stream
@@ -169,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             drop = run(cfg, policy_spec(name, b), tokens, ref, a.n_gen, held)
             summ = run(cfg, policy_spec(name, b) + "+" + a.summarise, tokens, ref, a.n_gen, held)
             c = summ["centroids_per_layer"]
-            fair = run(cfg, policy_spec(name, max(int(round(b - c)), 1)), tokens, ref, a.n_gen, held)
+            b_fair = max(int(round(b - c)), 1)
+            fair = run(cfg, policy_spec(name, b_fair), tokens, ref, a.n_gen, held)
             if needles:
                 for row, spec_of in ((drop, at(frac)), (summ, at(frac, "+" + a.summarise)), (fair, at(frac, "", c))):
                     hits: List[Optional[bool]] = [None] * len(cases)  # in the cases' order, as the full cache's
@@ -180,8 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             hits[i] = hit
                         rn.close()
                     row["needle_hits"] = hits
-            for row, kind in ((drop, "drop"), (summ, "summarise"), (fair, "drop, FAIR")):
-                row.update(policy=name, budget_frac=frac, budget=b, kind=kind)
+            for row, kind, budget in ((drop, "drop", b), (summ, "summarise", b), (fair, "drop, FAIR", b_fair)):
+                row.update(policy=name, budget_frac=frac, budget=budget, kind=kind)
                 rows.append(row)
                 nh = row.get("needle_hits")
                 print(f"{row['spec']} [{kind}]: KL {row['kl_mean']:.4f} top-1 {row['top1']:.3f} attention output "
@@ -203,15 +230,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def markdown(res: Dict[str, Any]) -> str:
     """The results as a markdown table."""
-    lines = [f"{res['date']}, {res['cpu']}, {res['threads']} threads: `{res['command']}`", "",
-             "| policy | budget | fate | KL mean | x drop | top-1 | attn err | attn cos | centroids/layer | fit err | ms/bin | "
-             "bins' host MiB | ms/token | x drop | needles |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    n_thr = res["threads"]
+    lines = [f"{res['date']}, {res['cpu']}, {n_thr} thread{'s' if n_thr != 1 else ''}: `{res['command']}`", "",
+             "| policy | budget | fate | KL mean | KL x drop | top-1 | attn err | attn cos | KV MiB used | centroids/layer | "
+             "fit err | ms/bin | bins' host MiB | ms/token | ms x drop | needles |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     drop: Dict[Any, Dict[str, Any]] = {}
     for r in res["rows"]:
         if r["spec"] == "full":
             nh = r["needle_hits"]
-            lines.append(f"| full | - | - | 0 | - | 1.000 | 0 | 1 | - | - | - | - | {r['ms_per_token']:.1f} | - | {sum(nh)}/{len(nh)} |")
+            lines.append(f"| full | - | - | 0 | - | 1.000 | 0 | 1 | {used_mib(r)} | - | - | - | - | {r['ms_per_token']:.1f} | - "
+                         f"| {sum(nh)}/{len(nh)} |")
             continue
         key = (r["policy"], r["budget_frac"])
         if r["kind"] == "drop":
@@ -220,6 +249,7 @@ def markdown(res: Dict[str, Any]) -> str:
         nh = r.get("needle_hits")
         summ = r["kind"] == "summarise"
         attn = (f"{np.mean(r['attn_mse']):.3f} | {np.mean(r['attn_cos']):.3f} | " if "attn_mse" in r else "- | - | ")
+        attn += f"{used_mib(r)} | "
         lines.append(
             f"| {r['policy']} | {r['budget_frac']:g} ({r['budget']}) | {r['kind']} | {r['kl_mean']:.4f} | "
             f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}"
@@ -228,7 +258,17 @@ def markdown(res: Dict[str, Any]) -> str:
             f"{r['kl_mean'] / max(d['kl_mean'], 1e-12):.2f} | {r['top1']:.3f} | {attn}- | - | - | - | ")
         lines[-1] += (f"{r['ms_per_token']:.1f} | {r['ms_per_token'] / d['ms_per_token']:.2f} | "
                       + (f"{sum(nh)}/{len(nh)} |" if nh else "- |"))
+    lines += ["", "drop: eviction at the budget (tokens per layer); summarise: the same budget, its centroid cells inside "
+              "it (equal KV bytes: REAL); drop, FAIR: eviction at the budget less summarise's centroid cells per layer "
+              "(equal real tokens: FAIR). KL against the full cache on the same tokens; KL x drop and ms x drop: against "
+              "the drop row of the same policy and budget (ms: time per generated token). KV MiB used: the cells in use "
+              "after the timed tokens; bins' host MiB: summarise's pending bins, host memory beside the cache."]
     return "\n".join(lines + layers_markdown(res))
+
+
+def used_mib(r: Dict[str, Any]) -> str:
+    """The KV bytes of the cells in use at the end in MiB ('-' in results from before it was recorded)."""
+    return f"{r['kv_bytes_used'] / 2**20:.2f}" if "kv_bytes_used" in r else "-"
 
 
 def host_mib(r: Dict[str, Any]) -> str:

@@ -244,11 +244,14 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
         tokens = every[: cfg.kl_tokens]
         hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")
         what = f"{cfg.text_file}"
-        need = cfg.kl_tokens + max(cfg.needle_lengths, default=0)
-        if len(every) < need:
-            raise EvalError(f"{what} has {len(every)} tokens; the KL text and the needle haystack (kept apart) need "
-                            f"{need} (kl_tokens {cfg.kl_tokens} + the longest needle prompt): a longer text, or lower "
-                            f"--kl-tokens / --needle-lengths")
+        longest = max(cfg.needle_lengths, default=0)
+        # the haystack as needle_cases reads it (whitespace collapsed: a source file's indentation is gone)
+        n_hay = len(llm.tokenize(" ".join(hay.split()).encode(), add_bos=False)) if len(every) > cfg.kl_tokens else 0
+        if len(every) < cfg.kl_tokens or n_hay < longest:
+            raise EvalError(f"{what} has {len(every)} tokens: the KL text takes the first {cfg.kl_tokens} (kl_tokens) "
+                            f"and the needle haystack the rest, which needs {longest} tokens with whitespace collapsed "
+                            f"(the longest needle prompt) and has {n_hay}: a longer text, or lower --kl-tokens / "
+                            f"--needle-lengths")
     if len(tokens) < cfg.kl_tokens:
         raise EvalError(f"{what} has only {len(tokens)} tokens (kl_tokens is {cfg.kl_tokens})")
     return tokens, hay
@@ -459,6 +462,7 @@ def evaluate(cfg: EvalConfig, quiet: bool = False) -> Dict[str, Any]:
         row["bytes_trace"] = trace
         mem = r.llm.kv_memory()
         row["bytes"], row["bytes_peak"] = mem.bytes, mem.bytes_peak
+        row["host_bytes_peak"] = mem.host_bytes_peak  # summarise's pending bins or the host tier, beside the cache
         if cfg.prefill:
             row["density"] = r.llm.kv_sparse().total_density if r.llm.kv_policy.sparse else None
             if name == "none" and row["density"] is not None and row["density"] >= 1.0 and not quiet:
@@ -505,9 +509,12 @@ def markdown(results: Dict[str, Any]) -> str:
         fa = ", all rows with flash attention" if "n_ctx" in full else ""  # since 2026-11-27 (the reference too)
         lines += [f"KV cache types of every row but the first (the reference, f16): K {types[0]}, V {types[1]}; "
                   f"KV bytes against the f16 full cache{fa}", ""]
+    # host memory beside the cache (summarise's pending bins, the host tier's tokens), where a row has any
+    host = any(row.get("host_bytes_peak", 0) > 0 for row in results["runs"])
     lines += ["| policy | budget | KL mean (nats) | KL p95 | top-1 | greedy agreement | needles | full-cache needles |"
-              " KV bytes, peak (x full) |" + (" key blocks computed |" if prefill else ""),
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if prefill else "")]
+              " KV bytes, peak (x full) |" + (" host bytes, peak (x full KV) |" if host else "")
+              + (" key blocks computed |" if prefill else ""),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if host else "") + ("---:|" if prefill else "")]
     for i, row in enumerate(results["runs"]):
         hits = row["needle_hits"]
         budget = "-" if row["budget_frac"] is None else f"{row['budget_frac']:.0%}"
@@ -518,6 +525,7 @@ def markdown(results: Dict[str, Any]) -> str:
                      f"| {row['agree']}/{n_agree} | {sum(hits)}/{len(hits)} | "
                      f"{sum(full['needle_hits'])}/{len(full['needle_hits'])} | "
                      f"{x_full_bytes(results, row):.3f} |"
+                     + (f" {row.get('host_bytes_peak', 0) / full['bytes']:.3f} |" if host else "")
                      + ("" if not prefill else " - |" if density is None else f" {density:.2f} |"))
     return "\n".join(lines)
 

@@ -415,8 +415,28 @@ def test_harness_text_file_errors(model_path, tmp_path):
     short.write_text("Too short to measure anything.", encoding="utf-8")
     cfg = EvalConfig(policies=["snapkv"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
                      depths=[0.5], n_agree=4, threads=2, model_path=model_path, text_file=str(short))
-    with pytest.raises(EvalError, match=r"has \d+ tokens; the KL text and the needle haystack"):
+    with pytest.raises(EvalError, match=r"has \d+ tokens: the KL text takes the first 192"):
         evaluate(cfg, quiet=True)
+    # a source file long enough by its tokens, not by its haystack once whitespace is collapsed (an audit's case:
+    # the check counted the indentation that needle_cases drops, and needle_cases failed later)
+    code = tmp_path / "code.py"
+    code.write_text("".join(f"def f{i}(x):\n" + " " * 32 + f"return x + {i}\n" for i in range(40)), encoding="utf-8")
+    cfg.text_file, cfg.kl_tokens, cfg.needle_lengths = str(code), 128, [420]  # 580 tokens, a haystack of 391
+    with pytest.raises(EvalError, match=r"needs 420 tokens with whitespace collapsed \(the longest needle prompt\) and has"):
+        evaluate(cfg, quiet=True)
+
+
+def test_eval_shows_the_host_memory_beside_the_cache(model_path):
+    """Summarise's pending bins are host memory the KV bytes leave out (an audit: eval showed summarise and eviction
+    at the same 'x full' while the bins held more than the cache)."""
+    cfg = EvalConfig(policies=["snapkv", "snapkv+summarise:bin=32,rank=4"], budgets=[0.25], kl_tokens=192, stream=32,
+                     needle_lengths=[160], depths=[0.5], n_agree=4, threads=2, model_path=model_path)
+    res = evaluate(cfg, quiet=True)
+    _, drop, summ = res["runs"]
+    assert drop["host_bytes_peak"] == 0 < summ["host_bytes_peak"]
+    rows = markdown(res).splitlines()
+    assert "host bytes, peak (x full KV)" in rows[0]
+    assert rows[-1].split("|")[-2].strip() == f"{summ['host_bytes_peak'] / res['runs'][0]['bytes']:.3f}"
 
 
 def test_harness_pieces():
@@ -548,6 +568,8 @@ def test_harness_on_the_second_corpus_with_varied_needles(model_path):
     ("summarise.py", ["--needles", "varied,varied"], "each once"),
     ("summarise.py", ["--needle-seeds", "1,x"], "--needle-seeds takes integers"),
     ("summarise.py", ["--needle-seeds", "7,7"], "--needle-seeds: each seed once"),
+    ("summarise.py", ["--summarise", "host"], "--summarise takes the summarise stage"),
+    ("summarise.py", ["--needle-budget", "0.3"], "--needle-budget 0.3 is not one of --budgets"),
     ("decode_limit.py", ["--policies", ""], "--policies: no policy given"),
     ("decode_limit.py", ["-n", "0"], "-p and -n must be >= 1"),
     ("prefix_reuse.py", ["-b", "2.5"], "-b 2.5: snapkv: a budget >= 1 is a token count"),
@@ -562,3 +584,46 @@ def test_bench_scripts_refuse_bad_settings_before_any_run(script, args, message)
     path = Path(__file__).resolve().parent.parent / "bench" / script
     p = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_summarise_bench_refuses_a_short_text_and_a_rank_above_the_head_size_before_its_runs(tmp_path):
+    """Found by an audit: a text too short ended in a traceback, and a rank above the head size (which only the model
+    can check) in one after the full cache's and eviction's runs."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "summarise.py"
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to measure anything.", encoding="utf-8")
+    small = ["--policies", "snapkv", "--budgets", "0.25", "--needle-budget", "0.25", "--kl-tokens", "256", "--stream",
+             "32", "--needle-lengths", "256", "-t", "1"]
+    for args, message in ((["-f", str(short)], "the KL text takes the first 256"),
+                          (["--summarise", "summarise:rank=70,bin=2000"], "rank must be <= the head size 64")):
+        p = subprocess.run([sys.executable, str(path), *small, *args], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert "KL mean" not in p.stdout
+
+
+def test_summarise_bench_table_names_its_rows_and_ratios():
+    """The table says which row is REAL and which FAIR, at the FAIR row's own budget, with the KV bytes in use."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_summarise",
+                                                  Path(__file__).resolve().parent.parent / "bench" / "summarise.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    common = dict(policy="snapkv", budget_frac=0.1, top1=0.9, ms_per_token=10.0)
+    rows = [{"spec": "full", "kl_mean": 0.0, "top1": 1.0, "ms_per_token": 20.0, "needle_hits": [True],
+             "kv_bytes_used": 2**21},
+            dict(common, spec="snapkv:budget=179", kind="drop", budget=179, kl_mean=0.05, kv_bytes_used=2**20),
+            dict(common, spec="snapkv:budget=179+summarise", kind="summarise", budget=179, kl_mean=0.03,
+                 kv_bytes_used=2**20, centroids_per_layer=14.0, fit_err=0.4, ms_per_bin=5.0, host_bytes_peak=2**22),
+            dict(common, spec="snapkv:budget=165", kind="drop, FAIR", budget=165, kl_mean=0.055,
+                 kv_bytes_used=15 * 2**16)]
+    text = mod.markdown({"date": "d", "cpu": "c", "threads": 1, "command": "x", "rows": rows})
+    lines = text.splitlines()
+    assert lines[0].startswith("d, c, 1 thread:")
+    assert "| KL x drop |" in lines[2] and "| ms x drop |" in lines[2] and "| KV MiB used |" in lines[2]
+    assert "| 0.1 (165) | drop, FAIR | 0.0550 | 1.10 |" in text and "| 0.1 (179) | summarise | 0.0300 | 0.60 |" in text
+    assert "equal KV bytes: REAL" in text and "equal real tokens: FAIR" in text
+    assert "| 1.00 | 14.0 |" in text and "| 0.94 | - |" in text  # KV MiB used of summarise and FAIR
