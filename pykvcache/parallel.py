@@ -114,8 +114,8 @@ class SequenceView(Llama):
     def embed(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         """Embeddings of text in this view's sequence (llama_cpp.Llama.embed), one text per call."""
         if isinstance(input, list) and len(input) > 1 and self.context_params.embeddings:
-            # (without embedding=True, llama-cpp-python's own error first: a batch would fail the same way)
-            # llama-cpp-python puts each text of a batch in a sequence of its own; a view has one
+            # llama-cpp-python puts each text of a batch in a sequence of its own; a view has one (without
+            # embedding=True, llama-cpp-python's own error comes first, as for one text)
             raise ValueError(f"a sequence view embeds one text per call ({len(input)} given): embed them one at a "
                              f"time")
         return super().embed(input, *args, **kwargs)
