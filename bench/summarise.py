@@ -112,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--kl-tokens", type=int, default=2048)
     ap.add_argument("--stream", type=int, default=256)
     ap.add_argument("--needle-lengths", default="2048", help="needle prompt lengths (tokens), comma-separated")
-    ap.add_argument("--needle-budget", type=float, default=0.1, help="the budget at which needles run")
+    ap.add_argument("--needle-budget", type=float, default=None,
+                    help="the budget at which needles run, one of --budgets (default: the smallest)")
     ap.add_argument("--needles", default="classic",
                     help="needle sets, comma-separated: classic (a 4-digit magic number), varied (other facts and values)")
     ap.add_argument("--needle-seeds", default=str(EvalConfig.seed),
@@ -144,7 +145,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if pol.describe()["stages"].get("fate") != "summarise":
                     raise ValueError(f"--summarise takes the summarise stage with its keys (e.g. summarise:bin=32,rank=4), "
                                      f"got {a.summarise!r}")
-        if not any(abs(f - a.needle_budget) < 1e-9 for f in cfg.budgets):
+        if a.needle_budget is None:
+            a.needle_budget = min(cfg.budgets)
+        elif not any(abs(f - a.needle_budget) < 1e-9 for f in cfg.budgets):
             raise ValueError(f"--needle-budget {a.needle_budget:g} is not one of --budgets ({a.budgets}): the needles run "
                              f"at one of them")
         kinds = a.needles.split(",")

@@ -105,8 +105,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"type_v={type_v} ({cache_type_name(type_v)}): a quantized V cache needs flash_attn=True "
                              "(llama.cpp's rule)")
         if policy is not None and not policy.retains and kwargs.get("embedding"):
-            preset = policy.describe()["preset"]
-            raise PolicyError(f"kv_policy {preset!r} works on llama.cpp's own cache with one sequence, and embedding=True "
+            d = policy.describe()
+            name = "+".join([d["preset"]] + [st for slot, st in d["stages"].items() if slot == "prefill" and st])
+            raise PolicyError(f"kv_policy {name!r} works on llama.cpp's own cache with one sequence, and embedding=True "
                               "gives the context one per batched input (llama-cpp-python's embeddings): embed with "
                               "kv_policy=None or a retention policy")
         ffi, lib = native()
@@ -368,7 +369,8 @@ class Llama(llama_cpp.Llama):
         if self.n_tokens + len(tokens) > self._n_ctx:
             # a retention policy's cache has room for more, but not the context's positions (nor llama-cpp-python's
             # token record, which a write past it silently cut): the full cache fails here too (llama_decode 1)
-            raise RuntimeError(f"the context's n_ctx={self._n_ctx} positions are used ({self.n_tokens} held, "
+            seqs = "" if self._n_ctx == self.n_ctx() else f" of this sequence (n_ctx {self.n_ctx()} / n_seq_max)"
+            raise RuntimeError(f"the context's n_ctx={self._n_ctx} positions{seqs} are used ({self.n_tokens} held, "
                                f"{len(tokens)} more asked): a longer generation needs a larger n_ctx")
         pol = self._kv_policy
         self._select_own_seq()

@@ -594,8 +594,8 @@ def test_summarise_bench_refuses_a_short_text_and_a_rank_above_the_head_size_bef
     path = Path(__file__).resolve().parent.parent / "bench" / "summarise.py"
     short = tmp_path / "short.txt"
     short.write_text("Too short to measure anything.", encoding="utf-8")
-    small = ["--policies", "snapkv", "--budgets", "0.25", "--needle-budget", "0.25", "--kl-tokens", "256", "--stream",
-             "32", "--needle-lengths", "256", "-t", "1"]
+    small = ["--policies", "snapkv", "--budgets", "0.25", "--kl-tokens", "256", "--stream", "32", "--needle-lengths",
+             "256", "-t", "1"]  # the needles at the smallest budget
     for args, message in ((["-f", str(short)], "the KL text takes the first 256"),
                           (["--summarise", "summarise:rank=70,bin=2000"], "rank must be <= the head size 64")):
         p = subprocess.run([sys.executable, str(path), *small, *args], capture_output=True, text=True, timeout=300)
