@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
@@ -212,6 +213,9 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         if self._sampler is None:  # generate() samples with the sampler it made (its grammar checked there)
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
+        idx = _argument("sample", args, kwargs, "idx", None)
+        if self.__dict__.get("_loaded_logits") is not None and self.n_tokens > 0 and idx in (None, self.n_tokens - 1):
+            return self._sample_loaded(args, kwargs)
         if self.__dict__.get("_logits_elsewhere"):
             if self.n_tokens == 0:
                 raise ConcurrentUseError("nothing of this sequence to sample from: its token record restarted since "
@@ -220,6 +224,30 @@ class Llama(llama_cpp.Llama):
                                          "loaded); evaluate the prompt again")
             self._refresh_logits()
         return super().sample(*args, **kwargs)
+
+    def _sample_loaded(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
+        # llama_sampler_sample over a loaded state's saved logits instead of the context's: the same chain (a
+        # generation's, or one made for this call as llama-cpp-python's sample() makes it), applied, then told the token
+        logits = self._loaded_logits
+        own = self._sampler is None
+        sampler = self._sampler
+        if own:
+            bound = inspect.signature(llama_cpp.Llama.sample).bind_partial(None, *args, **kwargs).arguments
+            sampler = self._init_sampler(**{k: v for k, v in bound.items() if k not in ("self", "idx")})
+        try:
+            data = (llama_cpp.llama_token_data * len(logits))()
+            for i, x in enumerate(logits.tolist()):
+                data[i].id, data[i].logit, data[i].p = i, x, 0.0
+            arr = llama_cpp.llama_token_data_array(data=data, size=len(logits), selected=-1, sorted=False)
+            llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(arr))
+            if not 0 <= arr.selected < arr.size:
+                raise RuntimeError("the sampler selected no token")
+            token = int(arr.data[arr.selected].id)
+            llama_cpp.llama_sampler_accept(sampler.sampler, token)
+            return token
+        finally:
+            if own:
+                sampler.close()
 
     def _refresh_logits(self) -> None:
         # another user of the context decoded since this one's last eval, and a context keeps the logits of its last
@@ -271,7 +299,21 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         state = super().save_state()
         state.pykvcache_seq = self._own_seq  # whose token record it carries (a sequence view's: its sequence's)
+        # the logits of the last token, which llama.cpp's state leaves out (llama-cpp-python evaluates the last token
+        # again after a load): under a policy that evaluation is a step of its own (other evictions, observations,
+        # counts), so a loaded state went on otherwise than the saved context would have
+        state.pykvcache_logits = self._last_logits()
         return state
+
+    def _last_logits(self) -> Optional[np.ndarray]:
+        # this sequence's last token's logits, where a live decode of this user gave them (None: another user decoded
+        # since, or a state was loaded without them)
+        if self.__dict__.get("_loaded_logits") is not None:
+            return self._loaded_logits.copy()
+        if self.n_tokens == 0 or self._requires_eval or self.__dict__.get("_logits_elsewhere"):
+            return None
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy() if ptr else None
 
     @exclusive
     def load_state(self, state: "llama_cpp.llama.LlamaState") -> None:
@@ -305,10 +347,15 @@ class Llama(llama_cpp.Llama):
         # a loaded state's logits are not a live decode's (a fresh context's are none: llama.cpp's sampler aborted):
         # llama-cpp-python evaluates the last token again before it generates, and sample() does too
         self._logits_elsewhere = True
+        self._loaded_logits = None
         if getattr(state, "pykvcache_seq", self._own_seq) != self._own_seq:
             # saved through a view of another sequence (or the Llama, loaded through a view): the token record it
             # carries is that sequence's, not this one's
             self.n_tokens = 0
+        elif self.n_tokens > 0 and getattr(state, "pykvcache_logits", None) is not None:
+            # the saved last logits: sample() and a generation of the same tokens go on from them, as the saved
+            # context would have, without evaluating the last token again
+            self._loaded_logits = np.asarray(state.pykvcache_logits, dtype=np.float32)
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -323,6 +370,7 @@ class Llama(llama_cpp.Llama):
             native()[1].llama_kvp_seq_select(ctx, self.__dict__.get("_reading_seq", self._own_seq))
         return ctx
 
+    _loaded_logits: Optional[np.ndarray] = None  # a loaded state's last logits, until the next decode (load_state)
     _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
     _whole_context = True  # its context's cache clear and batches reach every sequence (a sequence view's: its own)
 
@@ -376,6 +424,7 @@ class Llama(llama_cpp.Llama):
         self._select_own_seq()
         self._sequence_changed(self._own_seq)
         if len(tokens) > 0:
+            self._loaded_logits = None  # a decode: the context's logits are this sequence's again
             self._decodes_in_context()
         n_in = len(tokens)
         # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
@@ -471,6 +520,9 @@ class Llama(llama_cpp.Llama):
         pol = self._kv_policy
         if self.__dict__.pop("_record_stale", False):
             self.n_tokens = 0  # another user of the context changed this sequence (_changed_elsewhere)
+        if (self.__dict__.get("_loaded_logits") is not None and reset and self.n_tokens == len(tokens)
+                and list(self._input_ids) == list(tokens)):
+            self._requires_eval = False  # a loaded state's own tokens: sampled from its saved logits (sample())
         self._select_own_seq()
         if pol is not None and pol.retains and self._kv_reuse == "exact" and reset and self.n_tokens > 0:
             self._kv_reuse_prefix(list(tokens))
@@ -533,6 +585,7 @@ class Llama(llama_cpp.Llama):
         # SequenceView._take; its record restarts at the next generation or eval); nothing is left to sample from
         self._gen_owner, self._gen_evals = None, -1
         self._logits_elsewhere = True
+        self._loaded_logits = None
         if self._gen_stepping:
             self._record_stale = True
         else:

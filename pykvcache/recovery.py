@@ -44,8 +44,12 @@ class Ladder:
         """Pass the logits the last token was sampled from to the native ladder; returns the level it acted on."""
         ffi, lib = native()
         llm = self.llm
-        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        logits = ffi.cast("float *", ctypes.cast(ptr, ctypes.c_void_p).value)
+        loaded = llm.__dict__.get("_loaded_logits")  # a loaded state's first token was sampled from its saved logits
+        if loaded is not None:
+            logits = ffi.cast("float *", ffi.from_buffer(loaded))
+        else:
+            ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            logits = ffi.cast("float *", ctypes.cast(ptr, ctypes.c_void_p).value)
         level = lib.llama_kvp_recover_step(llm._native_ctx(), logits, llm.n_vocab())
         if level < 0:
             raise RuntimeError(last_error())

@@ -96,8 +96,8 @@ def test_a_state_of_other_keys_or_more_positions_is_refused_with_its_reason(mode
 def test_a_sample_right_after_a_load_is_the_saved_prompts_next_token(model_path, tmp_path, spec):
     """Found by an audit: sample() right after load_state read logits no decode had written: a wrong token on the
     context that went on past the save (':' for ' Paris'), and on a new context llama.cpp's sampler aborted the
-    process (GGML_ASSERT(logits != nullptr)). llama-cpp-python's own generate() evaluates the last token again after
-    a load; sample() now does too."""
+    process (GGML_ASSERT(logits != nullptr)). sample() then evaluated the last token again, as llama-cpp-python's
+    generate() does after a load; now it samples from the logits the state kept (the next test)."""
     import subprocess
     import sys
     import textwrap
@@ -122,3 +122,44 @@ def test_a_sample_right_after_a_load_is_the_saved_prompts_next_token(model_path,
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SAME True" in out.stdout and "NEW True" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("spec", [None, "entropy:budget=128", "snapkv:budget=128+summarise:bin=64,rank=4", "freeze"])
+def test_sampling_after_a_load_goes_on_as_the_saved_context(model_path, spec):
+    """Found by an audit: llama.cpp's state has no logits, so a sample() or a generation right after load_state
+    evaluated the last token again; under a policy that is a step of its own (a whole new prompt in exact reuse,
+    other evictions and observations), and the greedy tokens left the saved context's at the 1st-27th token. A
+    state now keeps its last logits, and a loaded one is sampled from them."""
+    import pickle
+
+    def make() -> Llama:
+        return Llama(model_path, n_ctx=1024, n_threads=2, verbose=False, kv_policy=spec)
+
+    def steps(llm: Llama, n: int) -> list:
+        out = []
+        for _ in range(n):
+            out.append(int(llm.sample(temp=0)))
+            llm.eval([out[-1]])
+        return out
+
+    llm = make()
+    llm.eval(llm.tokenize(essays_file().read_text().encode())[:800])
+    steps(llm, 20)
+    record = [int(t) for t in llm.input_ids[: llm.n_tokens]]
+    state = llm.save_state()
+    want = steps(llm, 16)
+    llm.create_completion("Another text altogether, to move the context on.", max_tokens=8, temperature=0)
+    llm.load_state(state)
+    assert steps(llm, 16) == want
+    llm.load_state(state)
+    got = []
+    for tok in llm.generate(record, temp=0.0, repeat_penalty=1.0):  # llama-cpp-python's path after a load
+        got.append(int(tok))
+        if len(got) == 16:
+            break
+    assert got == want
+    llm.close()
+    fresh = make()
+    fresh.load_state(pickle.loads(pickle.dumps(state)))
+    assert steps(fresh, 16) == want
+    fresh.close()
