@@ -70,7 +70,7 @@ def main() -> None:
     n_ctx = args.n_prompt + args.n_gen + 256
 
     def make(spec):
-        return Llama(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads, flash_attn=True,
+        return Llama(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads, flash_attn=True,
                      verbose=False, kv_policy=spec)
 
     text = "\n\n".join(corpus.essays())

@@ -236,7 +236,12 @@ nothing of fidelity), prompts from the essays. Raw outputs and the session log: 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0)
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        print("usage: " + __doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        if len(sys.argv) == 2:
+            print(f"gpu_results.py: error: {sys.argv[1]} is not a folder", file=sys.stderr)
         sys.exit(2)
     print(markdown(Path(sys.argv[1])))

@@ -40,7 +40,7 @@ def free_port() -> int:
 def start_server(policy, n_ctx, threads, n_parallel=1):
     port = free_port()
     args = [sys.executable, "-m", "pykvcache.server", "--host", "127.0.0.1", "--port", str(port), "--n_ctx",
-            str(n_ctx * n_parallel), "--interrupt_requests", "false", "--n_threads", str(threads),
+            str(n_ctx * n_parallel), "--interrupt_requests", "false", "--n_threads", str(threads), "--n_threads_batch", str(threads),
             "--n_parallel", str(n_parallel)]
     if policy != "none":
         args += ["--kv-policy", policy]
@@ -65,6 +65,9 @@ def run(policy, clients, duration, max_tokens, n_ctx, threads, n_parallel=1):
     import openai
 
     proc, url = start_server(policy, n_ctx, threads, n_parallel)
+    # one request before the timed window: the first one pays the server's and the client's warm-up (seconds)
+    openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
     errors, tokens, latencies, first = [], [], [], []
     lock = threading.Lock()
     end = time.time() + duration
