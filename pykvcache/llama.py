@@ -370,7 +370,9 @@ class Llama(llama_cpp.Llama):
             native()[1].llama_kvp_seq_select(ctx, self.__dict__.get("_reading_seq", self._own_seq))
         return ctx
 
-    _loaded_logits: Optional[np.ndarray] = None  # a loaded state's last logits, until the next decode (load_state)
+    # this sequence's last logits where the context's are not (a loaded state's, or kept when another user of the
+    # context decoded), until its next decode: sample() and a generation of the same tokens go on from them
+    _loaded_logits: Optional[np.ndarray] = None
     _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
     _whole_context = True  # its context's cache clear and batches reach every sequence (a sequence view's: its own)
 
@@ -577,6 +579,10 @@ class Llama(llama_cpp.Llama):
         self._logits_elsewhere = False
         for other in list(self.__dict__.get("_family", ())):
             if other is not self:
+                if other.__dict__.get("_loaded_logits") is None:
+                    # its last decode's logits, kept before this decode overwrites them: its next sample goes on from
+                    # them (evaluating its last token again is, under a policy, a step of its own)
+                    other._loaded_logits = other._last_logits()
                 other._logits_elsewhere = other._requires_eval = True
 
     def _changed_elsewhere(self) -> None:

@@ -404,3 +404,39 @@ def test_a_batch_beside_sequence_views_runs_each_prompt_in_its_own_sequence(mode
         outs.append(llm.generate_batch(prompts, 8))
         llm.close()
     assert outs[0] == outs[1]
+
+
+def test_views_taking_turns_step_by_step_go_on_as_alone(model_path):
+    """Found by an audit: a view's sample() after another view's decode evaluated its last token again, which over a
+    pruned cache in exact reuse is its whole record (400 tokens at every step), and the text left the one of the
+    sequence alone at its 3rd token. Its last logits are now kept aside when another user decodes."""
+    from pykvcache.corpus import essays
+    from pykvcache.parallel import sequence_views
+
+    spec = "snapkv:budget=128"
+
+    def steps(who, n):
+        out = []
+        for _ in range(n):
+            out.append(int(who.sample(temp=0)))
+            who.eval([out[-1]])
+        return out
+
+    ref = Llama(model_path, n_ctx=N_CTX_SEQ, verbose=False, kv_policy=spec)
+    text = essays()
+    p1 = ref.tokenize(text[0].encode())[:400]
+    p0 = ref.tokenize(text[1].encode())[:300]
+    ref.eval(p1)
+    want = steps(ref, 10)
+    ref.close()
+    llm = Llama(model_path, n_ctx=2 * N_CTX_SEQ, n_seq_max=2, verbose=False, kv_policy=spec)
+    v0, v1 = sequence_views(llm)
+    v1.eval(p1)
+    v0.eval(p0)
+    got = []
+    for _ in range(10):
+        got += steps(v1, 1)
+        steps(v0, 1)
+        assert v1.n_tokens == len(p1) + len(got)
+    assert got == want
+    llm.close()
