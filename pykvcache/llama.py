@@ -426,7 +426,6 @@ class Llama(llama_cpp.Llama):
         self._select_own_seq()
         self._sequence_changed(self._own_seq)
         if len(tokens) > 0:
-            self._loaded_logits = None  # a decode: the context's logits are this sequence's again
             self._decodes_in_context()
         n_in = len(tokens)
         # a re-ranking at the prompt's end evaluates the window's tokens again only where they were computed on a
@@ -573,10 +572,12 @@ class Llama(llama_cpp.Llama):
                 other._changed_elsewhere()
 
     def _decodes_in_context(self) -> None:
-        # this call decodes: the context's last logits, which llama-cpp-python samples from, become this one's, and
-        # the other users' next sample first evaluates their last token again (_refresh_logits), their next generation
-        # of a prompt their cache holds whole too (llama-cpp-python's _requires_eval)
+        # this call decodes: the context's last logits, which llama-cpp-python samples from, become this one's; the
+        # other users' live ones are kept aside first (their next sample, or generation of the tokens they evaluated,
+        # goes on from them), and where none are, their next sample evaluates their last token again
+        # (_refresh_logits), their next generation too (llama-cpp-python's _requires_eval)
         self._logits_elsewhere = False
+        self._loaded_logits = None  # the context's logits are this user's again
         for other in list(self.__dict__.get("_family", ())):
             if other is not self:
                 if other.__dict__.get("_loaded_logits") is None:
