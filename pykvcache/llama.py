@@ -218,9 +218,9 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         if self._sampler is None:  # generate() samples with the sampler it made (its grammar checked there)
             check_grammar(self, _argument("sample", args, kwargs, "grammar"))
-        idx = _argument("sample", args, kwargs, "idx", None)
-        if self.__dict__.get("_loaded_logits") is not None and self.n_tokens > 0 and idx in (None, self.n_tokens - 1):
-            return self._sample_loaded(args, kwargs)
+        if (self.__dict__.get("_kept_logits") is not None and self.n_tokens > 0
+                and _argument("sample", args, kwargs, "idx", None) in (None, self.n_tokens - 1)):
+            return self._sample_kept(args, kwargs)  # (the argument read only then: sample() runs once per token)
         if self.__dict__.get("_logits_elsewhere"):
             if self.n_tokens == 0:
                 raise ConcurrentUseError("nothing of this sequence to sample from: its token record restarted since "
@@ -230,10 +230,11 @@ class Llama(llama_cpp.Llama):
             self._refresh_logits()
         return super().sample(*args, **kwargs)
 
-    def _sample_loaded(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
-        # llama_sampler_sample over a loaded state's saved logits instead of the context's: the same chain (a
-        # generation's, or one made for this call as llama-cpp-python's sample() makes it), applied, then told the token
-        logits = self._loaded_logits
+    def _sample_kept(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
+        # llama_sampler_sample over this sequence's kept logits (a loaded state's, or kept beside views) instead of the
+        # context's: the same chain (a generation's, or one made for this call as llama-cpp-python's sample() makes
+        # it), applied, then told the token
+        logits = self._kept_logits
         own = self._sampler is None
         sampler = self._sampler
         if own:
@@ -315,8 +316,8 @@ class Llama(llama_cpp.Llama):
     def _last_logits(self) -> Optional[np.ndarray]:
         # this sequence's last token's logits, where a live decode of this user gave them (None: another user decoded
         # since, or a state was loaded without them)
-        if self.__dict__.get("_loaded_logits") is not None:
-            return self._loaded_logits.copy()
+        if self.__dict__.get("_kept_logits") is not None:
+            return self._kept_logits.copy()
         if self.n_tokens == 0 or self._requires_eval or self.__dict__.get("_logits_elsewhere"):
             return None
         ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
@@ -355,7 +356,7 @@ class Llama(llama_cpp.Llama):
         # generation go on from the ones save_state kept, or else evaluate the last token again (llama-cpp-python's
         # generate() after a load)
         self._logits_elsewhere = True
-        self._loaded_logits = None
+        self._kept_logits = None
         if getattr(state, "pykvcache_seq", self._own_seq) != self._own_seq:
             # saved through a view of another sequence (or the Llama, loaded through a view): the token record it
             # carries is that sequence's, not this one's
@@ -363,7 +364,7 @@ class Llama(llama_cpp.Llama):
         elif self.n_tokens > 0 and getattr(state, "pykvcache_logits", None) is not None:
             # the saved last logits: sample() and a generation of the same tokens go on from them, as the saved
             # context would have, without evaluating the last token again
-            self._loaded_logits = np.asarray(state.pykvcache_logits, dtype=np.float32)
+            self._kept_logits = np.asarray(state.pykvcache_logits, dtype=np.float32)
 
     @property
     def kv_policy(self) -> Optional[Policy]:
@@ -380,7 +381,7 @@ class Llama(llama_cpp.Llama):
 
     # this sequence's last logits where the context's are not (a loaded state's, or kept when another user of the
     # context decoded), until its next decode: sample() and a generation of the same tokens go on from them
-    _loaded_logits: Optional[np.ndarray] = None
+    _kept_logits: Optional[np.ndarray] = None
     _own_seq = 0  # the sequence this Llama's methods run (a sequence view's: its own, pykvcache.parallel)
     _whole_context = True  # its context's cache clear and batches reach every sequence (a sequence view's: its own)
 
@@ -529,7 +530,7 @@ class Llama(llama_cpp.Llama):
         pol = self._kv_policy
         if self.__dict__.pop("_record_stale", False):
             self.n_tokens = 0  # another user of the context changed this sequence (_changed_elsewhere)
-        if (self.__dict__.get("_loaded_logits") is not None and reset and self.n_tokens == len(tokens)
+        if (self.__dict__.get("_kept_logits") is not None and reset and self.n_tokens == len(tokens)
                 and list(self._input_ids) == list(tokens)):
             self._requires_eval = False  # a loaded state's own tokens: sampled from its saved logits (sample())
         self._select_own_seq()
@@ -585,13 +586,13 @@ class Llama(llama_cpp.Llama):
         # goes on from them), and where none are, their next sample evaluates their last token again
         # (_refresh_logits), their next generation too (llama-cpp-python's _requires_eval)
         self._logits_elsewhere = False
-        self._loaded_logits = None  # the context's logits are this user's again
+        self._kept_logits = None  # the context's logits are this user's again
         for other in list(self.__dict__.get("_family", ())):
             if other is not self:
-                if other.__dict__.get("_loaded_logits") is None:
+                if other.__dict__.get("_kept_logits") is None:
                     # its last decode's logits, kept before this decode overwrites them: its next sample goes on from
                     # them (evaluating its last token again is, under a policy, a step of its own)
-                    other._loaded_logits = other._last_logits()
+                    other._kept_logits = other._last_logits()
                 other._logits_elsewhere = other._requires_eval = True
 
     def _changed_elsewhere(self) -> None:
@@ -600,7 +601,7 @@ class Llama(llama_cpp.Llama):
         # SequenceView._take; its record restarts at the next generation or eval); nothing is left to sample from
         self._gen_owner, self._gen_evals = None, -1
         self._logits_elsewhere = True
-        self._loaded_logits = None
+        self._kept_logits = None
         if self._gen_stepping:
             self._record_stale = True
         else:

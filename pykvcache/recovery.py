@@ -44,7 +44,7 @@ class Ladder:
         """Pass the logits the last token was sampled from to the native ladder; returns the level it acted on."""
         ffi, lib = native()
         llm = self.llm
-        loaded = llm.__dict__.get("_loaded_logits")  # the token was sampled from kept logits (a loaded state's)
+        loaded = llm.__dict__.get("_kept_logits")  # the token was sampled from kept logits (sample())
         if loaded is not None:
             logits = ffi.cast("float *", ffi.from_buffer(loaded))
         else:
