@@ -296,7 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--policy", action="append", default=None,
                     help="policy spec for (a), repeatable (default: freeze and h2o:budget=<context> without freeze)")
     ap.add_argument("--needle-lengths", default="1536,4096", help="passkey prompt lengths, comma-separated ('' skips b)")
-    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths of (b), comma-separated")
     ap.add_argument("--turn-lengths", default="1536,4096", help="second-turn needle document lengths ('' skips c)")
     ap.add_argument("--turn-policies", default="snapkv:budget=0.1,entropy:budget=0.1",
                     help="retention policies of (c), each also run with +host+latent:gap=1, gap=0 and +host+freeze:gap=0")
@@ -306,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="the bounded policy of (d): a budget, a host limit, the freeze")
     ap.add_argument("--long-every", type=int, default=1000, help="tokens between (d)'s samples")
     ap.add_argument("-r", "--reps", type=int, default=3, help="timed passes per policy, interleaved (median)")
-    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("-o", "--output", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="PNG of the active tokens over (a)'s generation, one line per policy")
     args = ap.parse_args(argv)

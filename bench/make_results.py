@@ -267,8 +267,8 @@ def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short texts (minutes); writes into --out, not docs/")
     ap.add_argument("--out", default=None, help="output folder (default: docs/, or ./kv_results_quick with --quick)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-r", "--repetitions", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2, help="threads of every run (default 2)")
+    ap.add_argument("-r", "--repetitions", type=int, default=2, help="kvbench repetitions per row (default 2)")
     ap.add_argument("--summarise", action="store_true",
                     help="rerun bench/summarise.py (summarise vs eviction, snapkv and entropy at 25%% and 10%%; ~20 min); "
                          "without it the section shows results/summarise.json as it is")

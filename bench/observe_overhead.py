@@ -48,12 +48,13 @@ def run(model, policy, n_ctx, prompt, n_gen, reps, flash_attn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("-c", "--ctx-size", type=int, default=4096)
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("-n", "--n-gen", type=int, default=64)
-    ap.add_argument("-r", "--reps", type=int, default=3)
-    ap.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on")
+    ap.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (default 4096)")
+    ap.add_argument("--prompt-tokens", type=int, default=1024,
+                    help="prompt tokens before the timed decode (default 1024)")
+    ap.add_argument("-n", "--n-gen", type=int, default=64, help="tokens decoded per repetition (default 64)")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions per policy (default 3)")
+    ap.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
     ap.add_argument("--policies", default="none;observe:window=32;observe:window=32,every=1",
                     help="semicolon-separated policy specs; the first is the baseline of the ratios")
     args = ap.parse_args()

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=8, help="tokens generated per call (default 8)")
     ap.add_argument("-b", "--budget", type=float, default=0.1, help="budget of the policies (default 0.1)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="threads (default: all)")
-    ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    ap.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default: md)")
     args = ap.parse_args(argv)
     if args.n_prompt < 1 or args.n_extend < 0 or args.n_gen < 1:
         ap.error(f"-p and -n must be >= 1 and -e >= 0 (got {args.n_prompt}, {args.n_gen}, {args.n_extend})")

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-ctx", type=int, default=2048, help="context per sequence (default 2048)")
     ap.add_argument("--n-parallel", default="1", help="comma-separated sequences served at once (default 1)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="server threads (default: all)")
-    ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    ap.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default: md)")
     args = ap.parse_args(argv)
     rows = []
     for pol in args.kv_policy or ["entropy:budget=256"]:

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234, help="seed of the needles' values (default: 1234)")
     ap.add_argument("--needles", choices=("classic", "varied"), default="classic",
                     help="needle kind, as in `pykvcache eval` (default: classic)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("-o", "--output", default=None, help="JSON file for the results")
     args = ap.parse_args()
 

@@ -109,8 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--policies", default="snapkv,entropy", help="retention presets, comma-separated")
     ap.add_argument("--budgets", default="0.25,0.1", help="fractions of the prompt, comma-separated")
     ap.add_argument("--summarise", default="summarise", help="the fate stage spec added (e.g. summarise:bin=32,rank=4)")
-    ap.add_argument("--kl-tokens", type=int, default=2048)
-    ap.add_argument("--stream", type=int, default=256)
+    ap.add_argument("--kl-tokens", type=int, default=2048,
+                    help="tokens of the KL text: the prompt and the streamed part (default 2048)")
+    ap.add_argument("--stream", type=int, default=256,
+                    help="the KL text's last tokens, streamed and scored against the full cache (default 256)")
     ap.add_argument("--needle-lengths", default="2048", help="needle prompt lengths (tokens), comma-separated")
     ap.add_argument("--needle-budget", type=float, default=None,
                     help="the budget at which needles run, one of --budgets (default: the smallest)")
@@ -122,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens timed after the streamed text")
     ap.add_argument("--attn-queries", type=int, default=32,
                     help="held-out queries (the first streamed tokens) for the attention output per layer")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("-f", "--file", default=None, help="the user's text instead of the essays")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON")
     a = ap.parse_args(argv)

@@ -627,3 +627,32 @@ def test_summarise_bench_table_names_its_rows_and_ratios():
     assert "| 0.1 (165) | drop, FAIR | 0.0550 | 1.10 |" in text and "| 0.1 (179) | summarise | 0.0300 | 0.60 |" in text
     assert "equal KV bytes: REAL" in text and "equal real tokens: FAIR" in text
     assert "| 1.00 | 14.0 |" in text and "| 0.94 | - |" in text  # KV MiB used of summarise and FAIR
+
+
+BENCH_SCRIPTS = ("chat_turns", "decode_limit", "freeze", "make_results", "observe_overhead", "prefix_reuse",
+                 "serve_load", "sparse_prefill", "summarise")
+
+
+@pytest.mark.parametrize("name", BENCH_SCRIPTS)
+def test_bench_script_help_describes_every_option(name, monkeypatch):
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    class Parsed(Exception):
+        pass
+
+    def check(self, args=None, namespace=None):
+        bare = [a.option_strings[-1] for a in self._actions if a.option_strings and not a.help]
+        assert not bare, f"bench/{name}.py: options without help: {bare}"
+        raise Parsed
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", check)
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    with pytest.raises(Parsed):
+        mod.main()
