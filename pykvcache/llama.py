@@ -95,6 +95,8 @@ class Llama(llama_cpp.Llama):
         self._gen_evals = -1  # evaluations by the running generate() (-1: none runs): its first is the prompt
         self._gen_owner: Optional[object] = None  # that generate()
         self._gen_stepping = 0  # > 0 while a generate() step runs (its own evaluations are part of it)
+        self._completing = False  # inside _create_completion: a generation at n_ctx ends its completion ("length")
+        self._completion_cut = False
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
         self._latent_at_end = policy is not None and policy.describe()["rerank_at_end"]
         if rpc_servers:
@@ -170,13 +172,33 @@ class Llama(llama_cpp.Llama):
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         # llama_cpp names the whole context's size where a prompt does not fit; with several sequences, a sequence's
         # n_ctx/n_seq_max positions are the limit
+        self._completing, self._completion_cut = True, False
         try:
-            return (yield from super()._create_completion(*args, **kwargs))
+            inner = super()._create_completion(*args, **kwargs)
+            while True:
+                try:
+                    chunk = next(inner)
+                except StopIteration as stop:
+                    return self._cut_at_n_ctx(stop.value)
+                yield self._cut_at_n_ctx(chunk)
         except ValueError as exc:
-            msg = re.sub(r"exceed context window of \d+", f"exceed context window of {self._n_ctx}", str(exc))
-            if msg == str(exc):
+            msg, n = re.subn(r"exceed context window of \d+", f"exceed context window of {self._n_ctx}", str(exc))
+            if n == 0:
                 raise
-            raise ValueError(msg) from exc
+            raise ValueError(msg + ": a longer prompt needs a larger n_ctx (a retention policy keeps the KV memory at "
+                             "its budget whatever n_ctx is)") from exc
+        finally:
+            self._completing = False
+
+    def _cut_at_n_ctx(self, out: Any) -> Any:
+        # a completion that generate() ended at the context's last position (an end-of-generation token in place of
+        # the step that had no position left, where llama-cpp-python goes on to complete a multi-byte character past
+        # max_tokens) ends for its length, with the text it has
+        if self._completion_cut and isinstance(out, dict):
+            for choice in out.get("choices", ()):
+                if choice.get("finish_reason") == "stop":
+                    choice["finish_reason"] = "length"
+        return out
 
     def n_ctx(self) -> int:
         """The context's size in tokens, all sequences' (llama_cpp.Llama.n_ctx; sequence 0 has n_ctx()/n_seq_max)."""
@@ -547,8 +569,17 @@ class Llama(llama_cpp.Llama):
         self._gen_owner, self._gen_evals = owner, 0
         inner = super().generate(tokens, *args, **kwargs) if ladder is None else ladder.generate(tokens, args, kwargs)
         resume: Any = functools.partial(next, inner)
+        stepped = False
         try:
             while True:
+                if stepped and self._completing and self.n_tokens + 1 > self._n_ctx:
+                    eog = self._eog_token()
+                    if eog is not None:
+                        # no position left for the sampled token: a completion ends here (_cut_at_n_ctx)
+                        self._completion_cut = True
+                        yield eog
+                        return
+                stepped = True
                 self._gen_stepping += 1
                 try:
                     item = resume()
@@ -571,6 +602,12 @@ class Llama(llama_cpp.Llama):
             inner.close()
             if self._gen_owner is owner:  # a generator left unfinished must not end a later one's count
                 self._gen_owner, self._gen_evals = None, -1
+
+    def _eog_token(self) -> Optional[int]:
+        # a token that ends llama-cpp-python's completion loop (none where the model has no end-of-generation token)
+        eos = self.token_eos()
+        llama_cpp = import_llama_cpp()
+        return eos if eos >= 0 and llama_cpp.llama_vocab_is_eog(self._model.vocab, eos) else None
 
     def _sequence_changed(self, seq: Optional[int]) -> None:
         # this call changes the cache of sequence `seq` (None: of every sequence): the context's other users that run

@@ -208,6 +208,7 @@ def sequence_views(llm: Llama) -> List[SequenceView]:
         v.seq = s
         v._exclusive = Exclusive()  # views run in threads of their own, taking turns on the context
         v._gen_owner, v._gen_evals, v._gen_stepping = None, -1, 0
+        v._completing, v._completion_cut = False, False
         v._turns = turns
         v._turn = object()
         v._generating = False

@@ -203,6 +203,28 @@ def test_a_context_size_llama_cpp_pads_takes_prompts_up_to_its_real_size(model_p
         llm.create_completion(" ".join(["word"] * 300), max_tokens=4)
 
 
+@pytest.mark.parametrize("policy", [None, "snapkv:budget=64"])
+def test_a_completion_that_reaches_n_ctx_inside_a_character_ends_for_its_length(model_path, policy):
+    """llama-cpp-python completes a multi-byte character past max_tokens, so at n_ctx it evaluated a token with no
+    position left: a RuntimeError (HTTP 500 in the server) and the whole completion lost."""
+    from pykvcache import corpus
+
+    llm = Llama(model_path, n_ctx=512, verbose=False, kv_policy=policy)
+    tail = llm.tokenize("\nTranslate, with emoji: 'I love the sea 🌊🐟 and mountains 🏔️'.\nAnswer: 我爱大海".encode(),
+                        add_bos=False)
+    filler = llm.tokenize(corpus.essays()[3].encode())
+    for room in (1, 4):
+        prompt = filler[: 512 - room - len(tail)] + tail
+        out = llm.create_completion(prompt, max_tokens=-1, temperature=0)
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"]["prompt_tokens"] == len(prompt) and out["usage"]["completion_tokens"] == room + 1
+        chunks = list(llm.create_completion(prompt, max_tokens=None, temperature=0, stream=True))
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+    with pytest.raises(ValueError, match="exceed context window of 512: a longer prompt needs a larger n_ctx"):
+        llm.create_completion(filler[:600], max_tokens=4)
+
+
 def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
     """A NULL output, an empty cell's position, a policy struct that is not one, NaN masses: -1 with the reason, never
     bytes of an empty cell, a spec that does not parse, or a selection over undefined order."""
