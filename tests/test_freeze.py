@@ -287,6 +287,24 @@ def test_a_rerank_at_the_prompt_end_keeps_what_the_prompt_saw(model_path, monkey
         assert llm.kv_memory().n_evicted > 0 and rerun == [k_window], (spec, rerun)
 
 
+def test_a_rerank_at_the_prompt_end_under_a_budget_that_never_binds_is_the_full_cache(model_path):
+    """Nothing evicted, nothing moved between the tiers: the prompt's own logits stand (its last token evaluated again
+    alone gave other rounding, up to 0.6 in a logit, and other greedy text from the 13th token)."""
+    text = " ".join(essays()[1].split())
+    out = []
+    for spec in (None, "snapkv:budget=1024+host+latent:gap=0"):
+        llm = make(model_path, spec, flash_attn=False)  # on the CPU flash attention rounds by the cache's size
+        toks = llm.tokenize(text.encode())[:500]
+        llm.eval(toks)
+        out.append([np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()])
+        for _ in range(24):
+            llm.eval([int(np.argmax(out[-1][-1]))])
+            out[-1].append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
+        if spec:
+            assert llm.kv_memory().n_evicted == 0
+    np.testing.assert_array_equal(np.stack(out[0]), np.stack(out[1]))
+
+
 def test_freeze_composes_with_latent_reranking():
     spec = "snapkv:budget=0.1+host+freeze:gap=0"
     pol = parse_policy(spec)

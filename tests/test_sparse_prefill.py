@@ -154,6 +154,14 @@ def test_bad_keys_fail_with_one_line_naming_the_key(spec, key):
     assert key in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("spec", ["none+sparse:skip=30", "snapkv:budget=64+sparse:skip=999"])
+def test_a_skip_past_the_models_layers_is_refused(model_path, spec):
+    """skip >= n_layer left every layer dense: a sparse prefill that never ran, without a word."""
+    with pytest.raises(PolicyError, match=r"stage 'sparse': skip=\d+ leaves no layer sparse \(the model has 30 layers\)"):
+        Llama(model_path, n_ctx=512, kv_policy=spec, flash_attn=True, verbose=False)
+    Llama(model_path, n_ctx=512, kv_policy=spec.split(":skip")[0] + ":skip=29", flash_attn=True, verbose=False)
+
+
 def test_full_cache_plus_sparse_in_python():
     pol = FullCache() + SparsePrefill(base=512)
     assert pol.spec().startswith("none+sparse:") and "base=512" in pol.spec()

@@ -352,6 +352,10 @@ std::unique_ptr<llama_kvp_context> llama_kvp_context_init(
         throw llama_kvp_fail("policy '" + pname + "': window=" + std::to_string(policy.window) +
                 " is larger than the context (n_ctx=" + std::to_string(cparams.n_ctx_seq) + ")");
     }
+    if (policy.stage[LLAMA_KVP_SLOT_PREFILL] == LLAMA_KVP_PREFILL_SPARSE && policy.skip >= (int32_t) hparams.n_layer()) {
+        throw llama_kvp_fail("policy '" + pname + "', stage 'sparse': skip=" + std::to_string(policy.skip) +
+                " leaves no layer sparse (the model has " + std::to_string(hparams.n_layer()) + " layers)");
+    }
 
     auto st = std::make_unique<llama_kvp_context>(model);
     st->policy      = policy;

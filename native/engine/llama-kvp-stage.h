@@ -333,8 +333,9 @@ int32_t llama_kvp_freeze_recover(llama_kvp_memory & mem, const float * logits, i
 void    llama_kvp_freeze_ladder (llama_kvp_memory & mem, int32_t * n_level, std::vector<int32_t> * step,
                                  std::vector<int32_t> * level, std::vector<float> * entropy);
 
-// re-ranks the active and host tokens of every layer now (schedule stage `latent`, stages/schedule-latent.cpp)
-void llama_kvp_latent_rerank_layers(llama_kvp_memory & mem);
+// re-ranks the active and host tokens of every layer now (schedule stage `latent`, stages/schedule-latent.cpp);
+// whether a token moved between the tiers
+bool llama_kvp_latent_rerank_layers(llama_kvp_memory & mem);
 
 // whether the policy re-ranks (schedule `latent`, or `freeze` with gap >= 0), and whether at each prompt's end (gap=0)
 bool llama_kvp_latent_reranks      (const llama_kvp_policy & p);

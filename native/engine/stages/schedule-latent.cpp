@@ -77,8 +77,8 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
     }
 
     // every layer re-ranked now (gap=0: the caller does it at the end of a prompt, then evaluates its last token
-    // again so that the next token's distribution sees the re-ranked cache)
-    static void rerank(llama_kvp_memory & mem, int32_t ikv) {
+    // again so that the next token's distribution sees the re-ranked cache); whether tokens moved between the tiers
+    static bool rerank(llama_kvp_memory & mem, int32_t ikv) {
         llama_kvp_context * st = mem.st;
         auto & L = mem.layers[ikv];
         const llama_kvp_policy & p = mem.policy;
@@ -88,13 +88,13 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         const int32_t n_q = llama_kvp_obs_layer_queries(st, ikv, q, &qpos);
         const float scale = st->layers[ikv].kq_scale;
         if (n_q == 0 || scale <= 0.0f || st->n_head_kv <= 0 || st->n_head % st->n_head_kv != 0) {
-            return;
+            return false;
         }
         std::vector<llama_pos> hpos;
         std::vector<float>     hk;
         llama_kvp_host_keys(mem, ikv, hpos, hk);
         if (hpos.empty()) {
-            return; // nothing to bring back
+            return false; // nothing to bring back
         }
 
         // every token of the layer: the active cells, then the host tier (idx = UINT32_MAX), with their keys
@@ -174,7 +174,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
             }
         }
         if (n_rows == 0) {
-            return;
+            return false;
         }
 
         // what an eviction would keep from all of them, scored by the score stage
@@ -248,6 +248,7 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         const uint32_t used = llama_kvp_kv_access::n_used(*L.kv);
         llama_kvp_host_thaw_pos(mem, ikv, back, back_score, size > used + 1 ? size - used - 1 : 0);
         mem.n_rerank++;
+        return !leaving.empty() || !back.empty();
     }
 };
 
@@ -265,10 +266,12 @@ void llama_kvp_latent_before_step(llama_kvp_memory & mem) {
     }
 }
 
-void llama_kvp_latent_rerank_layers(llama_kvp_memory & mem) {
+bool llama_kvp_latent_rerank_layers(llama_kvp_memory & mem) {
+    bool moved = false;
     for (int32_t ikv = 0; ikv < (int32_t) mem.layers.size(); ++ikv) {
-        llama_kvp_schedule_latent::rerank(mem, ikv);
+        moved = llama_kvp_schedule_latent::rerank(mem, ikv) || moved;
     }
+    return moved;
 }
 
 bool llama_kvp_latent_reranks(const llama_kvp_policy & p) {
@@ -289,12 +292,22 @@ int32_t llama_kvp_latent_rerun_end(llama_context * ctx, llama_kvp_memory & mem, 
     const int32_t n_batch = (int32_t) llama_n_batch(ctx);
     // the window's tokens again only where they were computed on a pruned cache: a new prompt that no eviction
     // reached saw its whole context, which a re-ranking can only take away; then the last token, which the next reads
+    // again; where nothing changes the cache it saw (no eviction during the prompt or before the next step, no token
+    // moved between the tiers) the prompt's own logits stand: the last token alone gives other rounding than in its
+    // batch, which a budget that never binds must not
     const int32_t k_redo[2] = { pruned ? std::max(1, std::min(n, (int32_t) mem.policy.window)) : 1, 1 };
     llama_batch batch = llama_batch_init(n_batch, 0, 1);
     int32_t res = 0;
+    bool changed = pruned;
+    for (const auto & L : mem.layers) {
+        changed = changed || llama_kvp_kv_access::n_used(*L.kv) > L.budget; // the next step's preparation evicts
+    }
     for (const int32_t k : k_redo) {
         llama_synchronize(ctx);
-        llama_kvp_latent_rerank_layers(mem);
+        changed = llama_kvp_latent_rerank_layers(mem) || changed;
+        if (!changed) {
+            continue;
+        }
         llama_memory_seq_rm(llama_get_memory(ctx), mem.seq_cur, pos0 + n - k, -1);
         for (int32_t i0 = n - k; i0 < n && res >= 0; i0 += n_batch) {
             const int32_t m = std::min(n_batch, n - i0);
