@@ -129,6 +129,21 @@ def test_a_repeated_prompt_gives_the_same_logits_with_a_retention_policy(model_p
     fresh.close()
 
 
+def test_logits_all_does_not_change_a_guided_sparse_prefill(model_path, prompt):
+    """With logits_all every guided chunk's tokens give logits, and each of them counted as a token whose logits are
+    read, so every segment attended to every block: a nearly dense prefill and other greedy text than without it."""
+    spec = "snapkv:budget=128+sparse:threshold=256,base=128"
+    outs, densities = [], []
+    for logits_all in (False, True):
+        llm = Llama(model_path, n_ctx=1024, verbose=False, kv_policy=spec, logits_all=logits_all)
+        outs.append(llm.create_completion(list(prompt[:900]), max_tokens=12, temperature=0.0)["choices"][0]["text"])
+        densities.append(llm.kv_sparse().density)
+        llm.close()
+    assert outs[0] == outs[1]
+    np.testing.assert_array_equal(densities[0], densities[1])
+    assert densities[0][1:].min() < 0.95
+
+
 def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
     with pytest.warns(UserWarning, match="prompts run dense"):
         llm, logits = last_logits(model_path, prompt, SPARSE, flash_attn=False)

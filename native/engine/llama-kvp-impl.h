@@ -450,8 +450,9 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
 // exchanges the current sequence's observation state with o's (llama_kvp_memory::seq_use)
 void llama_kvp_obs_seq_swap(llama_kvp_context * st, llama_kvp_obs_seq & o);
 
-// whether token i of the ubatch counts as one whose logits are read: the prompt's last where the caller said which it
-// is (llama_kvp_set_prompt_end), else a token that gives logits (summarise's settle, sparse prefill's dense segments)
+// whether token i of the ubatch counts as one whose logits are read (none in a guided chunk): the prompt's last where
+// the caller said which it is (llama_kvp_set_prompt_end), else a token that gives logits (summarise's settle, sparse
+// prefill's dense segments)
 bool llama_kvp_reads_logits(const llama_kvp_context * st, const llama_ubatch & ubatch, uint32_t i);
 
 // forget the scores of the cells of KV layer ikv that hold positions [p0, p1) (p < 0: unbounded), before a seq_rm

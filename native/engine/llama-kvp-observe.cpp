@@ -1682,6 +1682,9 @@ void llama_kvp_obs_cells_set_score(llama_kvp_context * st, int32_t ikv, const ui
 }
 
 bool llama_kvp_reads_logits(const llama_kvp_context * st, const llama_ubatch & ubatch, uint32_t i) {
+    if (st && st->mem && st->mem->guiding) {
+        return false; // a guided chunk never holds the prompt's last token (with logits_all its logits are kept, not read)
+    }
     if (st && st->prompt_end >= 0) {
         return ubatch.pos[i] == st->prompt_end;
     }
