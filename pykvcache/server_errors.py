@@ -186,6 +186,17 @@ def _maps_to_400(route: RouteErrorHandler, error: Exception) -> bool:
     return isinstance(error, ValueError) and not any(p.search(str(error)) for p in route.pattern_and_formatters)
 
 
+def _names_the_prompt(formatter: Callable[..., Tuple[int, Any]]) -> Callable[..., Tuple[int, Any]]:
+    # llama-cpp-python names `messages` as the too-long field of a text completion too, which has a `prompt`
+    def names_the_prompt(request: Any, match: Any) -> Tuple[int, Any]:
+        status, err = formatter(request, match)
+        if not hasattr(request, "messages") and err.get("param") == "messages":
+            err = dict(err, param="prompt")
+        return status, err
+
+    return names_the_prompt
+
+
 def install_error_mapping() -> None:
     """Make llama-cpp-python's route errors answer 400 for invalid fields and bad arguments (idempotent)."""
     original = RouteErrorHandler.error_message_wrapper
@@ -204,6 +215,10 @@ def install_error_mapping() -> None:
 
     error_message_wrapper._pykvcache = True  # type: ignore[attr-defined]
     RouteErrorHandler.error_message_wrapper = error_message_wrapper  # type: ignore[method-assign]
+    formatters = RouteErrorHandler.pattern_and_formatters
+    for pattern, formatter in list(formatters.items()):
+        if "exceed context window" in pattern.pattern:
+            formatters[pattern] = _names_the_prompt(formatter)
 
     publisher = server_app.get_event_publisher
 

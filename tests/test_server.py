@@ -233,6 +233,10 @@ def test_a_stream_that_fails_ends_with_an_error_event(server):
     status, res = post(server, json.dumps({"prompt": "word " * 3000, "max_tokens": 4}).encode())
     assert status == 400 and err == res["error"] and err["code"] == "context_length_exceeded"
     assert err["type"] == "invalid_request_error" and "maximum context length" in err["message"]
+    assert err["param"] == "prompt"  # llama-cpp-python named `messages`, which a text completion has not
+    status, res = post(server, json.dumps({"messages": [{"role": "user", "content": "word " * 3000}]}).encode(),
+                       "/v1/chat/completions")
+    assert status == 400 and res["error"]["param"] == "messages"
 
 
 def test_bad_policy_stops_the_server_with_one_line(tmp_path):
