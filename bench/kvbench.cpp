@@ -137,6 +137,7 @@ struct kvbench_result {
     // physical limit: the full cache decoding n_gen tokens at depth limit_depth (0: none), its steps alternating
     // with the row's own decode steps
     int32_t             limit_depth    = 0;
+    int32_t             limit_n_ctx    = 0;   // the full cache's context the limit steps ran in
     double              limit_tg_ts    = 0.0;
     double              limit_tg_ts_sd = 0.0;
     double              tg_limit_ratio = 0.0; // tg t/s / limit_tg_ts
@@ -658,6 +659,7 @@ static void kvbench_run_test(llama_context * ctx, const llama_kvp_policy & pol, 
                     kvp_tool_prefill(ctx_lim, tokens.data(), d_lim, 0, params.n_batch, false);
                     llama_synchronize(ctx_lim);
                     r.limit_depth = d_lim;
+                    r.limit_n_ctx = (int32_t) llama_n_ctx(ctx_lim);
                 }
             }
             llama_batch batch_lim = llama_batch_init(1, 0, 1);
@@ -813,7 +815,8 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
         }
         kvbench_result * l = nullptr;
         for (auto & x : limits) {
-            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && kvbench_same_setup(x, row)) ? &x : l;
+            l = (x.n_depth == row.limit_depth && x.n_gen == row.n_gen && x.n_ctx == row.limit_n_ctx &&
+                 kvbench_same_setup(x, row)) ? &x : l;
         }
         if (!l) {
             limits.emplace_back();
@@ -823,6 +826,7 @@ static std::vector<kvbench_result> kvbench_pool_limits(const std::vector<kvbench
             l->spec     = "full";
             l->n_gen    = row.n_gen;
             l->n_depth  = row.limit_depth;
+            l->n_ctx    = row.limit_n_ctx;
             l->type_k   = row.type_k;
             l->type_v   = row.type_v;
             l->n_threads = row.n_threads;

@@ -371,7 +371,9 @@ class KVTelemetry:
     """Attention observation of the last `window` queries, with positions in ascending order.
 
     entropy[n_layer, n_head]      mean entropy (nats) of each query head's attention over the window queries
-    mass[n_layer, n_pos]          mean attention mass per position (averaged over heads and window queries)
+    mass[n_layer, n_pos]          mean attention mass per position (averaged over heads and window queries); only
+                                  the positions still held, so where decode steps observed and the policy evicted
+                                  since, what earlier window queries gave the evicted ones is missing (sum below 1)
     mass_acc[n_layer, n_pos]      accumulated (decayed) head-mean mass over all observations so far
     mass_per_head[n_layer, n_head, n_pos]  only when asked for (per_head=True)
     pos                           the last query position of the observation behind mass (-1: none yet)

@@ -78,6 +78,7 @@ def test_kvbench_measures_the_physical_limit(model_path):
     lim = out["limits"][0]
     assert lim["policy"] == "full" and lim["n_gen"] == 4 and lim["tg_ts"] > 0
     assert lim["n_gen_steps"] == 3 * 4  # the three policies' limit steps, pooled (it said 0)
+    assert lim["n_ctx"] == rows["full"]["n_ctx"] and lim["kv_bytes"] is None  # the full cache's context (was null)
     assert rows["full"]["tg_limit_ratio"] is None and rows["full"]["limit_depth"] is None  # not measured: null
     for label in ("sink_recent:n_sink=4,n_recent=60", "snapkv:budget=64,chunk=32+entropy",
                   "h2o:budget=0.5,n_recent=8,chunk=32"):
