@@ -99,9 +99,10 @@ class Llama(llama_cpp.Llama):
         self._completion_cut = False
         # latent re-ranking at the end of each prompt (schedule `latent` or `freeze` with gap=0)
         self._latent_at_end = policy is not None and policy.describe()["rerank_at_end"]
-        if rpc_servers:
-            from .rpc import add_servers
+        from .rpc import add_servers, check_registered
 
+        check_registered()  # a server added earlier and gone since: an error here, not an abort in the load
+        if rpc_servers:
             add_servers(rpc_servers)
         if policy is not None and policy.sparse and args == () and "flash_attn" not in kwargs:
             kwargs["flash_attn"] = True  # block-sparse prefill replaces flash attention (llama.cpp's default: auto)

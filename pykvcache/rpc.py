@@ -52,13 +52,17 @@ _added: List[str] = []
 
 def add_servers(servers: str) -> List[str]:
     """Register RPC servers ("host:port,host:port") as devices for the models loaded next; returns the endpoints."""
+    if not isinstance(servers, str):
+        raise RPCError(f"rpc_servers must be a string \"host:port[,host:port...]\" (got {type(servers).__name__})")
+    if ";" in servers:
+        raise RPCError(f"rpc_servers '{servers}': separate servers with commas (host:port,host:port)")
     endpoints = [s.strip() for s in servers.split(",") if s.strip()]
     if not endpoints:
         raise RPCError("no RPC servers given (expected host:port[,host:port...])")
     _, ggml, rpc = _libs()
     for ep in endpoints:
         if ep in _added:
-            continue
+            continue  # checked by check_registered() before each model load
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise RPCError(f"RPC server '{ep}' is not host:port")
@@ -73,6 +77,22 @@ def add_servers(servers: str) -> List[str]:
         ggml.ggml_backend_register(reg)
         _added.append(ep)
     return endpoints
+
+
+def check_registered(timeout: float = 5.0) -> None:
+    """Raise RPCError where a server registered earlier in this process no longer accepts connections."""
+    # ggml-rpc keeps every server it was given as a device of the process and asks each for its memory at every model
+    # load, even one that offloads nothing: a server gone since aborts the process there, with no message. A connection
+    # (not the handshake: the server serves one client at a time, maybe a live model of this process) tells first.
+    for ep in _added:
+        host, _, port = ep.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                pass
+        except OSError as exc:
+            raise RPCError(f"RPC server {ep}, added earlier in this process, cannot be reached now "
+                           f"({exc.strerror or exc}): ggml-rpc keeps it as a device and would abort the process at any "
+                           f"model load; start it again at that address, or load models in a new process") from None
 
 
 # ggml-rpc's handshake (ggml-rpc.cpp): the HELLO command (14), its request (the connection's capabilities, 24 bytes;

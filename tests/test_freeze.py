@@ -330,6 +330,9 @@ def test_recovery_ladder_is_off_unless_asked(model_path):
     assert "needs the freeze schedule with z > 0" in ffi.string(lib.llama_kvp_last_error()).decode()
     with pytest.raises(PolicyError, match="z must be >= 0"):
         parse_policy("freeze:z=-1")
+    assert llm.kv_recovery_events() == []
+    with pytest.raises(PolicyError, match=r"no recovery ladder \(the freeze schedule's with z > 0"):
+        make(model_path, "snapkv:budget=64").kv_recovery_events()  # it said: no host tier (fate stage 'host')
 
 
 def test_recovery_ladder_reads_masked_logits_and_skips_a_nan(model_path):

@@ -113,6 +113,53 @@ def test_unreachable_server_is_named(model_path):
         Llama(model_path, n_ctx=256, verbose=False, rpc_servers=f"127.0.0.1:{port}", n_gpu_layers=-1)
 
 
+GONE = """
+import sys
+from pykvcache import Llama
+from pykvcache.rpc import RPCError
+model, server = sys.argv[1:3]
+llm = Llama(model, n_ctx=256, verbose=False, kv_policy="snapkv:budget=48", rpc_servers=server, n_gpu_layers=-1)
+text = llm.create_completion("Hello", max_tokens=2, temperature=0.0)["choices"][0]["text"]
+other = Llama(model, n_ctx=256, verbose=False, rpc_servers=server, n_gpu_layers=-1)  # the server still up, in use
+del llm, other
+print(text != "", flush=True)
+sys.stdin.readline()  # the server is stopped now
+for kw in ({"rpc_servers": server, "n_gpu_layers": -1}, {"n_gpu_layers": 0}):
+    try:
+        Llama(model, n_ctx=256, verbose=False, **kw)
+        print("loaded", flush=True)
+    except RPCError as exc:
+        print(str(exc), flush=True)
+"""
+
+
+def test_a_server_gone_since_it_was_added_is_an_error_at_the_next_load(model_path):
+    """ggml-rpc asks every device of the process for its memory at each model load, one that offloads nothing too:
+    a server gone since aborted the process there (SIGABRT, no message)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "pykvcache.rpc", "--port", str(port), "-t", "1"], cwd="/",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        client = subprocess.Popen([sys.executable, "-c", GONE, model_path, f"127.0.0.1:{port}"], cwd="/",
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "True"
+        server.kill()
+        server.wait()
+        out, err = client.communicate("\n", timeout=120)
+    finally:
+        server.kill()
+    assert client.returncode == 0, err[-2000:]
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(f"RPC server 127.0.0.1:{port}, added earlier in this process, cannot be reached now"
+                                   in line and "load models in a new process" in line for line in lines), out
+
+
 def test_a_server_that_is_not_ggml_rpc_is_refused_not_waited_for(model_path):
     # ggml-rpc waits for ever on a service that never answers its handshake, and aborts on one that answers wrong
     import socket

@@ -429,6 +429,10 @@ int32_t llama_kvp_recover_step(struct llama_context * ctx, const float * logits,
 int32_t llama_kvp_recover_events(struct llama_context * ctx, int32_t * step, int32_t * level, float * entropy, int32_t n_max) {
     llama_kvp_memory * mem = llama_kvp_host_mem(ctx);
     if (!mem) {
+        if (llama_kvp_check_ctx(ctx)) {
+            llama_kvp_set_error("the context's policy has no recovery ladder (the freeze schedule's with z > 0, over the "
+                                "host tier: e.g. freeze:z=1 or snapkv:budget=0.1+host+freeze:z=1)");
+        }
         return -1;
     }
     std::vector<int32_t> s;
