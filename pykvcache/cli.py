@@ -36,6 +36,9 @@ def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
                    help="context size in tokens, rounded up to a multiple of 256 (default: 2048; 0: the model's)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU; -1: all (default: 0)")
+    p.add_argument("--rpc", default=None, metavar="SERVERS",
+                   help="comma-separated host:port of `pykvcache rpc-server`s that take the offloaded layers (-ngl), as "
+                        "llama.cpp's --rpc")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off"], default="on", help="flash attention (default: on)")
     p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16",
                    help="KV cache type of K, as llama.cpp's (default: f16)")
@@ -213,6 +216,7 @@ def _make_llama(args: argparse.Namespace):
         n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
         n_gpu_layers=args.n_gpu_layers, flash_attn=args.flash_attn == "on", verbose=args.verbose,
         kv_policy=args.policy, type_k=CACHE_TYPES[args.cache_type_k], type_v=CACHE_TYPES[args.cache_type_v],
+        rpc_servers=args.rpc,
     )
     if args.threads is not None:
         kwargs["n_threads"] = args.threads
@@ -475,6 +479,7 @@ def _main(argv: List[str]) -> int:
     args = build_parser().parse_args(argv)
     from .evaluate import EvalError
     from .policies import PolicyError
+    from .rpc import RPCError
 
     try:
         if args.command == "generate":
@@ -492,7 +497,7 @@ def _main(argv: List[str]) -> int:
             print(policy_help(), end="")
             return 0
         return cmd_telemetry(args)
-    except (PolicyError, EvalError, CorpusError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (PolicyError, EvalError, CorpusError, RPCError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         print(f"pykvcache: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:

@@ -160,6 +160,20 @@ def test_a_server_gone_since_it_was_added_is_an_error_at_the_next_load(model_pat
                                    in line and "load models in a new process" in line for line in lines), out
 
 
+def test_generate_offloads_to_rpc_servers_as_llama_cli(model_path, rpc_server):
+    cmd = [sys.executable, "-m", "pykvcache.cli", "generate", "-m", model_path, "-p", "The capital of France is", "-n", "4",
+           "-c", "256", "-t", "1", "-fa", "off", "--policy", "snapkv:budget=48", "-ngl", "99"]
+    res = subprocess.run(cmd + ["--rpc", rpc_server], cwd="/", capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr[-2000:]
+    local = subprocess.run(cmd[:-2] + ["-ngl", "0"], cwd="/", capture_output=True, text=True, timeout=300)
+    assert res.stdout == local.stdout
+    port = free_port()
+    res = subprocess.run(cmd + ["--rpc", f"127.0.0.1:{port}"], cwd="/", capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"pykvcache: error: RPC server 127.0.0.1:{port} cannot be reached (Connection refused); is `pykvcache "
+        f"rpc-server` running there?"], res.stderr
+
+
 def test_a_server_that_is_not_ggml_rpc_is_refused_not_waited_for(model_path):
     # ggml-rpc waits for ever on a service that never answers its handshake, and aborts on one that answers wrong
     import socket
