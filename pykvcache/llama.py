@@ -174,8 +174,8 @@ class Llama(llama_cpp.Llama):
         # llama_cpp names the whole context's size where a prompt does not fit; with several sequences, a sequence's
         # n_ctx/n_seq_max positions are the limit
         self._completing, self._completion_cut = True, False
+        inner = super()._create_completion(*args, **kwargs)
         try:
-            inner = super()._create_completion(*args, **kwargs)
             while True:
                 try:
                     chunk = next(inner)
@@ -190,6 +190,7 @@ class Llama(llama_cpp.Llama):
                              "its budget whatever n_ctx is)") from exc
         finally:
             self._completing = False
+            inner.close()  # a stream left early (as `yield from` closed it)
 
     def _cut_at_n_ctx(self, out: Any) -> Any:
         # a completion that generate() ended at the context's last position (an end-of-generation token in place of
