@@ -44,13 +44,16 @@ class Ladder:
         """Pass the logits the last token was sampled from to the native ladder; returns the level it acted on."""
         ffi, lib = native()
         llm = self.llm
+        # the turn first (a sequence view gives it back once it has sampled): another sequence that decoded since
+        # kept this one's logits aside before (_decodes_in_context), and none decodes while they are read
+        ctx = llm._native_ctx()
         loaded = llm.__dict__.get("_kept_logits")  # the token was sampled from kept logits (sample())
         if loaded is not None:
             logits = ffi.cast("float *", ffi.from_buffer(loaded))
         else:
             ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
             logits = ffi.cast("float *", ctypes.cast(ptr, ctypes.c_void_p).value)
-        level = lib.llama_kvp_recover_step(llm._native_ctx(), logits, llm.n_vocab())
+        level = lib.llama_kvp_recover_step(ctx, logits, llm.n_vocab())
         if level < 0:
             raise RuntimeError(last_error())
         return int(level)

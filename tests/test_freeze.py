@@ -305,6 +305,45 @@ def test_a_rerank_at_the_prompt_end_under_a_budget_that_never_binds_is_the_full_
     np.testing.assert_array_equal(np.stack(out[0]), np.stack(out[1]))
 
 
+@pytest.mark.parametrize("spec", ["freeze:z=1,rewalk=4", "h2o:budget=128+host+freeze"])
+def test_a_prefix_kept_from_a_short_request_starts_the_freeze_afresh(model_path, spec):
+    """kv_reuse=exact keeps a prefix only where it is what a fresh evaluation reaches; the freeze's counts and the
+    ladder's statistics of the earlier request's decode steps stayed with it, and the repeated request answered other
+    text than a fresh context (a server audit: after a request cut short or of max_tokens 3)."""
+    msgs = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+    fresh = make(model_path, spec).create_chat_completion(msgs, max_tokens=24, temperature=0.0)
+    llm = make(model_path, spec)
+    llm.create_chat_completion(msgs, max_tokens=3, temperature=0.0)
+    again = llm.create_chat_completion(msgs, max_tokens=24, temperature=0.0)
+    assert again["choices"][0]["message"]["content"] == fresh["choices"][0]["message"]["content"]
+
+
+def test_the_ladder_of_sequence_views_reads_each_ones_own_logits(model_path):
+    """A view gives the context back once it has sampled; the ladder then read the context's last logits, by then
+    another view's, and two requests served at once (--n_parallel 2) answered otherwise than alone."""
+    import threading
+
+    from pykvcache.parallel import sequence_views
+
+    spec = "freeze:z=1,rewalk=4"
+    prompts = [" ".join(essays()[0].split()[:300]) + "\nSummary:", " ".join(essays()[1].split()[:250]) + "\nIn short,"]
+    alone = [make(model_path, spec).create_completion(p, max_tokens=40, temperature=0.0)["choices"][0]["text"]
+             for p in prompts]
+    llm = Llama(model_path, n_ctx=2 * N_CTX, n_seq_max=2, kv_policy=spec, verbose=False)
+    views = sequence_views(llm)
+    out = [None, None]
+
+    def run(i):
+        out[i] = views[i].create_completion(prompts[i], max_tokens=40, temperature=0.0)["choices"][0]["text"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == alone
+
+
 def test_freeze_composes_with_latent_reranking():
     spec = "snapkv:budget=0.1+host+freeze:gap=0"
     pol = parse_policy(spec)

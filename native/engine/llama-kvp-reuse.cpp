@@ -49,6 +49,9 @@ int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
     }
 
     seq_rm_cur(r, -1);
+    if (stage_schedule) {
+        stage_schedule->forget(*this, 0, -1); // its decode history too (freeze's counts, the ladder's statistics):
+    }                                         // a fresh prompt has none
     restart_budgets(n_prompt);
     if (st) {
         llama_kvp_obs_reset(st);
