@@ -403,7 +403,8 @@ def test_serve_help_reads_clean():
 
 
 @pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
-                                         ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise")])
+                                         ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
+                                         ("snapkv:budget=48+sparse:threshold=0,base=32", "sparse")])
 def test_parallel_kv_stats_add_up_the_stages_counters(model_path, spec, block):
     """Found by an audit: under --n_parallel the top-level host tier's or summarise's counters were sequence 0's
     alone (0 bins while sequence 1 summarised) and the sequences' rows had none."""
@@ -420,13 +421,16 @@ def test_parallel_kv_stats_add_up_the_stages_counters(model_path, spec, block):
         pool.views[1].create_completion(PROSE * 4, max_tokens=4, temperature=0)
         m = json.loads(json.dumps(pool_stats(pool, {"m": {}})))  # JSON-ready
         rows = [r[block] for r in m["sequences"]]
-        count = "n_evict" if block == "host" else "n_bins"
+        count = {"host": "n_evict", "summarise": "n_bins", "sparse": "n_computed"}[block]
         assert rows[0][count] == 0 < rows[1][count] == m[block][count]
         assert m[block] == rows[1] and set(m[block]) == set(rows[0])
         pool.views[0].create_completion(PROSE * 3, max_tokens=4, temperature=0)
         m = pool_stats(pool, {"m": {}})
         rows = [r[block] for r in m["sequences"]]
         assert 0 < rows[0][count] and m[block][count] == rows[0][count] + rows[1][count]
+        if block == "sparse":  # the blocks of both prompts together (it had no block: audit of the 34th session)
+            assert 0 < m[block]["density"] < 1
+            assert m[block]["density"] == pytest.approx(m[block]["n_computed"] / m[block]["n_visible"])
     finally:
         llm.close()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional
 
 import numpy as np
 
@@ -39,6 +39,20 @@ class SparsePrefill(Stage):
     per_head: Optional[bool] = None
     chunk: Optional[int] = None
     guide: Optional[bool] = None
+
+    @classmethod
+    def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
+        """The prompt's key blocks computed against dense attention's, and the Dynamic heads, for the server's KV stats."""
+        t = read_telemetry(llm)
+        return {"n_ubatch": int(t.n_ubatch.sum()), "n_computed": int(t.n_computed.sum()),
+                "n_visible": int(t.n_visible.sum()), "n_dynamic": int(t.dynamic.sum()), "density": t.total_density}
+
+    @classmethod
+    def server_stats_total(cls, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The counts of several sequences added up, the density of their blocks together."""
+        res = {k: sum(b[k] for b in blocks) for k in blocks[0] if k != "density"} if blocks else {}
+        res["density"] = res["n_computed"]/res["n_visible"] if res.get("n_visible") else 1.0
+        return res
 
 
 def read_telemetry(llm: "Llama") -> SparseTelemetry:
