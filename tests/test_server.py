@@ -435,6 +435,20 @@ def test_parallel_kv_stats_add_up_the_stages_counters(model_path, spec, block):
         llm.close()
 
 
+def test_kv_stats_before_the_first_request_are_json(model_path):
+    """Before any observation the telemetry's entropy has no head: its per-layer mean was NaN (and a RuntimeWarning),
+    which JSON has not (the route's encoder gave null)."""
+    import pykvcache
+    from pykvcache.server import kv_stats_of
+
+    llm = pykvcache.Llama(model_path, n_ctx=512, kv_policy="snapkv:budget=48", verbose=False)
+    try:
+        m = json.loads(json.dumps(kv_stats_of(llm), allow_nan=False))
+        assert m["telemetry"]["entropy_per_layer"] == [None] * 30 and m["telemetry"]["n_obs"] == 0
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
                                          ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
                                          ("none+sparse", None), (None, None)])
