@@ -608,7 +608,6 @@ class Llama(llama_cpp.Llama):
     def _eog_token(self) -> Optional[int]:
         # a token that ends llama-cpp-python's completion loop (none where the model has no end-of-generation token)
         eos = self.token_eos()
-        llama_cpp = import_llama_cpp()
         return eos if eos >= 0 and llama_cpp.llama_vocab_is_eog(self._model.vocab, eos) else None
 
     def _sequence_changed(self, seq: Optional[int]) -> None:

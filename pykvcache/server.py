@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 import threading
@@ -127,10 +126,9 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
             row["n_evicted"] = b.n_evicted
     if pol is not None and pol.observes:
         tel = llama.kv_telemetry()
-        # null before the first observation (no head has an entropy yet; the route's JSON gave NaN null too)
-        per_layer = [float(x) for x in tel.entropy.mean(axis=1)] if tel.entropy.size else [math.nan]*len(tel.entropy)
-        res["telemetry"] = {"n_obs": tel.n_obs, "window": tel.window,
-                            "entropy_per_layer": [x if math.isfinite(x) else None for x in per_layer]}
+        ent = tel.entropy  # no head has an entropy before the first observation: null per layer (JSON has no NaN)
+        per_layer = [float(x) for x in ent.mean(axis=1)] if ent.shape[1] else [None] * ent.shape[0]
+        res["telemetry"] = {"n_obs": tel.n_obs, "window": tel.window, "entropy_per_layer": per_layer}
     return res
 
 

@@ -28,21 +28,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def rpc_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pykvcache.rpc", "--port", str(port), "-t", "2"], cwd="/",
+def start_rpc_server(port: int, threads: int) -> subprocess.Popen:
+    """A `pykvcache rpc-server` on 127.0.0.1:port, once it accepts connections."""
+    proc = subprocess.Popen([sys.executable, "-m", "pykvcache.rpc", "--port", str(port), "-t", str(threads)], cwd="/",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return proc
         except OSError:
             time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the RPC server did not start")
+    proc.kill()
+    pytest.fail("the RPC server did not start")
+
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    port = free_port()
+    proc = start_rpc_server(port, 2)
     yield f"127.0.0.1:{port}"
     proc.kill()
     proc.wait()
@@ -137,15 +141,8 @@ def test_a_server_gone_since_it_was_added_is_an_error_at_the_next_load(model_pat
     """ggml-rpc asks every device of the process for its memory at each model load, one that offloads nothing too:
     a server gone since aborted the process there (SIGABRT, no message)."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "pykvcache.rpc", "--port", str(port), "-t", "1"], cwd="/",
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_rpc_server(port, 1)
     try:
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
         client = subprocess.Popen([sys.executable, "-c", GONE, model_path, f"127.0.0.1:{port}"], cwd="/",
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "True"
