@@ -411,6 +411,10 @@ def test_recovery_ladder_climbs_acts_and_streams_the_same_text(model_path):
         for a, b in zip(ev, ev[1:]):
             assert b.level == 1 or b.level == a.level + 1 or b.step - a.step >= 4
         assert h.n_recover[3] > 0 and h.n_thaw > 0
+        # the server's KV stats show the ladder's events by level (not shown until the 35th session)
+        from pykvcache.server import kv_stats_of
+        shown = kv_stats_of(llm)["host"]
+        assert shown["n_recover"] == list(h.n_recover) and shown["n_promote"] == h.n_promote
         assert len(llm.tokenize(texts[-1].encode(), add_bos=False)) >= 90  # max_tokens honoured, nothing lost
     assert texts[0] == texts[1]
 

@@ -428,6 +428,13 @@ def test_parallel_kv_stats_add_up_the_stages_counters(model_path, spec, block):
         m = pool_stats(pool, {"m": {}})
         rows = [r[block] for r in m["sequences"]]
         assert 0 < rows[0][count] and m[block][count] == rows[0][count] + rows[1][count]
+        if block == "host":  # the ladder's events level by level (none here: no ladder)
+            assert m[block]["n_recover"] == [0, 0, 0, 0] and len(rows[0]["n_recover"]) == 4
+        if block == "summarise":  # the fit errors are means over the bins fitted, not sums
+            n = [r["n_bins"] - r["n_fallback"] for r in rows]
+            for k in ("fit_err", "fit_lse_err"):
+                assert m[block][k] == pytest.approx((rows[0][k]*n[0] + rows[1][k]*n[1]) / sum(n))
+            assert m[block]["pending_bytes"] == rows[0]["pending_bytes"] + rows[1]["pending_bytes"]
         if block == "sparse":  # the blocks of both prompts together (it had no block: audit of the 34th session)
             assert 0 < m[block]["density"] < 1
             assert m[block]["density"] == pytest.approx(m[block]["n_computed"] / m[block]["n_visible"])
@@ -475,5 +482,8 @@ def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block
         else:
             s = llm.kv_summary()
             assert m["summarise"]["n_bins"] == s.n_bins > 0 and m["summarise"]["n_centroids"] == s.n_centroids
+            # the pending leavers' bytes and the log-mass error too (left out until the 35th session)
+            assert m["summarise"]["pending_bytes"] == s.pending_bytes and s.n_pending > 0 and s.pending_bytes > 0
+            assert m["summarise"]["fit_lse_err"] == pytest.approx(s.fit_lse_err) and s.fit_lse_err > 0
     finally:
         llm.close()

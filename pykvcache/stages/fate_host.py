@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional
 
 import numpy as np
 
@@ -29,10 +29,21 @@ class HostFate(Stage):
 
     @classmethod
     def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
-        """The host tier's token counts and moves, for the server's KV stats."""
+        """The host tier's token counts and moves, and the recovery ladder's events by level, for the server's KV stats."""
         out = _read_stats(llm)  # the counts alone, not each layer's positions
-        return {k: int(getattr(out, k)) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict", "n_dropped",
-                                                  "n_rerank")}
+        res: Dict[str, Any] = {k: int(getattr(out, k)) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict",
+                                                                 "n_dropped", "n_rerank", "n_promote")}
+        res["n_recover"] = [int(out.n_recover[i]) for i in range(4)]  # Soft, Window, Full Reset, Rewalk
+        return res
+
+    @classmethod
+    def server_stats_total(cls, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The counts of several sequences added up, the ladder's level by level."""
+        if not blocks:
+            return {}
+        res = {k: sum(b[k] for b in blocks) for k in blocks[0] if k != "n_recover"}
+        res["n_recover"] = [sum(b["n_recover"][i] for b in blocks) for i in range(4)]
+        return res
 
 
 def _read_stats(llm: "Llama") -> Any:

@@ -37,20 +37,25 @@ class SummariseFate(Stage):
 
     @classmethod
     def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
-        """The bins, centroids and fit error so far, for the server's KV stats."""
+        """The bins, centroids, pending tokens' host bytes and fit errors so far, for the server's KV stats."""
         out = _read_stats(llm)  # the counts alone, not each layer's positions
         res: Dict[str, Any] = {k: int(getattr(out, k)) for k in ("n_bins", "n_centroids", "n_pending", "n_fallback",
-                                                                 "n_dropped")}
-        res["fit_err"] = float(out.fit_err)
+                                                                 "n_dropped", "pending_bytes")}
+        for k in _FIT_ERRORS:
+            res[k] = float(getattr(out, k))
         return res
 
     @classmethod
     def server_stats_total(cls, blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
-        """The counts of several sequences added up, the fit error their mean over the bins fitted."""
-        res = {k: sum(b[k] for b in blocks) for k in blocks[0] if k != "fit_err"} if blocks else {}
+        """The counts of several sequences added up, the fit errors their means over the bins fitted."""
+        res = {k: sum(b[k] for b in blocks) for k in blocks[0] if k not in _FIT_ERRORS} if blocks else {}
         fitted = [max(b["n_bins"] - b["n_fallback"], 0) for b in blocks]
-        res["fit_err"] = sum(b["fit_err"]*n for b, n in zip(blocks, fitted))/sum(fitted) if sum(fitted) else 0.0
+        for k in _FIT_ERRORS:
+            res[k] = sum(b[k]*n for b, n in zip(blocks, fitted))/sum(fitted) if sum(fitted) else 0.0
         return res
+
+
+_FIT_ERRORS = ("fit_err", "fit_lse_err")  # means over the bins fitted, not counts
 
 
 def _read_stats(llm: "Llama") -> Any:
