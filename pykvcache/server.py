@@ -108,8 +108,9 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
         "n_ctx": llama.n_ctx(),
         "n_tokens": int(llama.n_tokens),
         "kv_bytes": stats.total_bytes,
-        "layers": [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used, "bytes": s.k_bytes + s.v_bytes}
-                   for s in stats.layers],
+        # on_device: the layer's cache is in the GPU's (or an RPC server's) memory, not the host's
+        "layers": [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used, "bytes": s.k_bytes + s.v_bytes,
+                    "on_device": s.on_device} for s in stats.layers],
     }
     if pol is not None and pol.retains:
         mem = llama.kv_memory()
@@ -295,8 +296,8 @@ def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:
         # a policy's caches are per sequence: each sequence row has its layers and budget; the top level
         # adds them up per layer (llama.cpp's own cache is one, its layers already count every sequence)
         seqs = entry["sequences"]
-        entry["layers"] = [{"layer": rows_l[0]["layer"], **{k: sum(r[k] for r in rows_l)
-                                                             for k in ("n_cells", "n_used", "bytes", "n_evicted")}}
+        entry["layers"] = [{"layer": rows_l[0]["layer"], "on_device": rows_l[0]["on_device"],
+                            **{k: sum(r[k] for r in rows_l) for k in ("n_cells", "n_used", "bytes", "n_evicted")}}
                            for rows_l in zip(*(r["layers"] for r in seqs))]
         entry["kv_bytes"] = sum(r["kv_bytes"] for r in seqs)  # kv_bytes_peak stays the memory's, of all sequences
         entry["n_evicted"] = sum(r["n_evicted"] for r in seqs)

@@ -72,7 +72,10 @@ def moves(llm):  # the host tier's moves between the device's caches and host me
         return None
     h = llm.kv_host()
     return [h.n_freeze, h.n_thaw, h.n_evict]
+from pykvcache.server import kv_stats_of
+shown = [[row["on_device"] for row in kv_stats_of(llm)["layers"]] for llm in (here, remote)]  # the server's stats
 print(json.dumps({"local": local, "remote": greedy(remote), "on_device": [s.on_device for s in remote.kv_stats().layers],
+                  "shown_local": shown[0], "shown_remote": shown[1],
                   "n_evicted": remote.kv_memory().n_evicted, "sum_local": summary(here), "sum_remote": summary(remote),
                   "moves_local": moves(here), "moves_remote": moves(remote)}))
 """
@@ -90,6 +93,7 @@ def test_offloaded_layers_give_the_local_tokens(model_path, rpc_server, policy, 
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(out["on_device"])  # every layer's KV cache lives on the RPC device
+    assert out["shown_remote"] == out["on_device"] and not any(out["shown_local"])  # and /v1/kv/stats says so
     if out["moves_local"] is not None:  # the host tier: tokens moved out of the device and back, as locally
         assert out["moves_remote"] == out["moves_local"] and sum(out["moves_local"]) > 0
     else:
