@@ -12,11 +12,12 @@ import pytest
 
 from pykvcache import cli
 
-Q8_0, F16 = 8, 1
+Q8_0, F16, F32 = 8, 1, 0
 
 # each case in a process of its own: a GGML_ASSERT aborts the process, not only the test
 SCRIPT = r"""
 import json, sys
+import numpy as np
 from pykvcache import Llama
 spec, tk, tv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = Llama(n_ctx=1024, n_threads=2, verbose=False, kv_policy=spec, type_k=tk, type_v=tv, flash_attn=True)
@@ -33,6 +34,8 @@ if llm.kv_policy.describe()["stages"]["fate"] == "host":
     res.update(host_steps=h.n_steps, n_rerank=h.n_rerank)
 if llm.kv_policy.summarises:
     res["n_bins"] = llm.kv_summary().n_bins
+kv = llm.kv_layer(0)  # the cache's rows as f32, read on the host
+res["kv_layer"] = [int(kv.k.shape[0]), bool(np.isfinite(kv.k).all() and np.isfinite(kv.v).all())]
 print(json.dumps(res))
 """
 
@@ -65,6 +68,22 @@ def test_k_and_v_of_two_types_run_every_path(spec, tk, tv):
         assert r["n_rerank"] > 0
     if "summarise" in spec:
         assert r["n_bins"] > 0
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.1+summarise", "snapkv:budget=0.25+host+latent", "freeze",
+                                  "entropy:budget=0.1"])
+def test_an_f32_cache_runs_the_paths_that_read_its_rows(spec):
+    """Found by an audit: ggml's f32 type has no to_float, and summarise's leavers, the host tier's keys at a re-rank,
+    the value norms and kv_layer() converted cache rows with it: a segfault with -ctk f32 -ctv f32 (llama.cpp runs
+    f32 caches; they are in -ctk's choices)."""
+    r = run_case(spec, F32, F32)
+    assert 0 < r["n_tokens"] <= 24 and r["text"].strip()  # entropy's answer ends early
+    assert r["k_bytes"] == r["v_bytes"] == r["n_cells"] * 192 * 4  # 3 KV heads x 64 dims of 4 bytes
+    assert r["kv_layer"][1] and r["kv_layer"][0] > 0
+    if "summarise" in spec:
+        assert r["n_bins"] > 0
+    if "latent" in spec:
+        assert r["n_rerank"] > 0
 
 
 def test_a_quantized_cache_keeps_the_same_tokens_as_f16_mostly():

@@ -55,9 +55,8 @@ static void llama_kvp_gather_plain(const llama_kvp_gather::piece & p) {
     const size_t nb = llama_kvp_cell_bytes(p.t, p.trans);
     std::vector<uint8_t> raw(p.idx.size()*nb);
     llama_kvp_cells_read(p.t, p.trans, p.size, p.idx, raw.data());
-    const auto * traits = ggml_get_type_traits(p.t->type);
     for (size_t i = 0; i < p.idx.size(); ++i) {
-        traits->to_float(raw.data() + i*nb, p.out + i*p.t->ne[0], p.t->ne[0]);
+        llama_kvp_row_to_f32(p.t->type, raw.data() + i*nb, p.out + i*p.t->ne[0], p.t->ne[0]);
     }
 }
 

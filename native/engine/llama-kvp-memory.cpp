@@ -84,6 +84,14 @@ size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans) {
     return trans ? (size_t) t->ne[0]*ggml_type_size(t->type) : ggml_row_size(t->type, t->ne[0]);
 }
 
+void llama_kvp_row_to_f32(ggml_type t, const void * src, float * dst, int64_t n) {
+    if (t == GGML_TYPE_F32) {
+        memcpy(dst, src, (size_t) n*sizeof(float));
+        return;
+    }
+    ggml_get_type_traits(t)->to_float(src, dst, n);
+}
+
 // the span of bytes of a tensor that covers cells [lo, hi] (the whole tensor when transposed)
 static void llama_kvp_cell_span(const ggml_tensor * t, bool trans, uint32_t lo, uint32_t hi, size_t & off, size_t & len) {
     if (trans) {
@@ -671,7 +679,7 @@ void llama_kvp_memory::value_norms(int32_t ikv, std::vector<llama_kvp_cell> & ce
     llama_kvp_cells_read(vt, v_trans, size, miss, raw.data());
     std::vector<float> row(n_embd);
     for (size_t i = 0; i < miss.size(); ++i) {
-        ggml_get_type_traits(vt->type)->to_float(raw.data() + i*nb, row.data(), n_embd);
+        llama_kvp_row_to_f32(vt->type, raw.data() + i*nb, row.data(), n_embd);
         double sum = 0.0;
         for (int64_t h = 0; h < n_head; ++h) {
             double s2 = 0.0;

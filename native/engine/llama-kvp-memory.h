@@ -270,6 +270,9 @@ private:
 // bytes one token takes in a cache tensor (its K row, its V row, or its elements of a transposed V)
 size_t llama_kvp_cell_bytes(const ggml_tensor * t, bool trans);
 
+// n values of type t at src as f32 (an f32 cache's rows are copied: ggml's f32 type has no to_float)
+void llama_kvp_row_to_f32(ggml_type t, const void * src, float * dst, int64_t n);
+
 // the bytes of cells idx[i] of a cache tensor (K, V, or a transposed V) to out + i*(bytes per token), and back; one
 // backend read (and write) per call when the tensor is in device memory
 void llama_kvp_cells_read (ggml_tensor * t, bool trans, uint32_t size, const std::vector<uint32_t> & idx, uint8_t * out);

@@ -606,7 +606,7 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
         raw.resize((size_t) size*nb);
         llama_kvp_cells_read(kt, false, (uint32_t) size, idx, raw.data());
         for (int32_t i = 0; i < size; ++i) {
-            ggml_get_type_traits(kt->type)->to_float(raw.data() + (size_t) i*nb, k_out + (size_t) i*kt->ne[0], kt->ne[0]);
+            llama_kvp_row_to_f32(kt->type, raw.data() + (size_t) i*nb, k_out + (size_t) i*kt->ne[0], kt->ne[0]);
         }
         llama_kvp_unrotate(*kv, false, k_out, size, kt->ne[0]);
     }
@@ -615,7 +615,7 @@ int32_t llama_kvp_layer_kv(struct llama_context * ctx, int32_t ikv, float * k_ou
         raw.resize((size_t) size*nb);
         llama_kvp_cells_read(vt, v_trans, (uint32_t) size, idx, raw.data());
         for (int32_t i = 0; i < size; ++i) {
-            ggml_get_type_traits(vt->type)->to_float(raw.data() + (size_t) i*nb, v_out + (size_t) i*vt->ne[0], vt->ne[0]);
+            llama_kvp_row_to_f32(vt->type, raw.data() + (size_t) i*nb, v_out + (size_t) i*vt->ne[0], vt->ne[0]);
         }
         llama_kvp_unrotate(*kv, true, v_out, size, vt->ne[0]);
     }

@@ -222,9 +222,8 @@ void llama_kvp_host_keys(llama_kvp_memory & mem, int32_t ikv, std::vector<llama_
     const int64_t n_embd_k = kt->ne[0];
     pos = S.pos;
     k.resize(S.size()*n_embd_k);
-    const auto * traits = ggml_get_type_traits(kt->type);
     for (size_t i = 0; i < S.size(); ++i) {
-        traits->to_float(S.k.data() + i*S.row_k, k.data() + i*n_embd_k, n_embd_k);
+        llama_kvp_row_to_f32(kt->type, S.k.data() + i*S.row_k, k.data() + i*n_embd_k, n_embd_k);
     }
 }
 

@@ -114,9 +114,8 @@ struct llama_kvp_schedule_latent : llama_kvp_schedule_stage {
         std::vector<uint8_t> raw(n_act*llama_kvp_cell_bytes(kt, false));
         llama_kvp_cells_read(kt, false, size, act, raw.data());
         std::vector<float> keys((n_act + hpos.size())*n_embd_k);
-        const auto * traits = ggml_get_type_traits(kt->type);
         for (size_t i = 0; i < n_act; ++i) {
-            traits->to_float(raw.data() + i*llama_kvp_cell_bytes(kt, false), keys.data() + i*n_embd_k, n_embd_k);
+            llama_kvp_row_to_f32(kt->type, raw.data() + i*llama_kvp_cell_bytes(kt, false), keys.data() + i*n_embd_k, n_embd_k);
         }
         std::copy(hk.begin(), hk.end(), keys.begin() + n_act*n_embd_k);
         for (size_t i = 0; i < hpos.size(); ++i) {
