@@ -51,29 +51,40 @@ _added: List[str] = []
 
 
 def add_servers(servers: str) -> List[str]:
-    """Register RPC servers ("host:port,host:port") as devices for the models loaded next; returns the endpoints."""
+    """Register RPC servers ("host:port,host:port") as devices for the models loaded next; returns them as ip:port."""
     if not isinstance(servers, str):
         raise RPCError(f"rpc_servers must be a string \"host:port[,host:port...]\" (got {type(servers).__name__})")
     if ";" in servers:
         raise RPCError(f"rpc_servers '{servers}': separate servers with commas (host:port,host:port)")
-    endpoints = [s.strip() for s in servers.split(",") if s.strip()]
-    if not endpoints:
+    given = [s.strip() for s in servers.split(",") if s.strip()]
+    if not given:
         raise RPCError("no RPC servers given (expected host:port[,host:port...])")
+    endpoints: List[str] = []
     _, ggml, rpc = _libs()
-    for ep in endpoints:
+    for name in given:
+        host, _, port = name.rpartition(":")
+        if not host or not port.isdigit():
+            raise RPCError(f"RPC server '{name}' is not host:port")
+        if not 1 <= int(port) <= 65535:
+            raise RPCError(f"RPC server '{name}': port must be in 1..65535")
+        # one device per server: ggml-rpc keeps a connection per endpoint string, and a server serves one client at a
+        # time, so `localhost:P` after `127.0.0.1:P` (two devices, two connections) waited for ever at the next load
+        try:
+            host = socket.gethostbyname(host)
+        except OSError as exc:
+            raise RPCError(f"RPC server {name} cannot be reached: cannot resolve host '{host}' "
+                           f"({exc.strerror or exc})") from None
+        ep = f"{host}:{int(port)}"
+        if ep not in endpoints:
+            endpoints.append(ep)
         if ep in _added:
             continue  # checked by check_registered() before each model load
-        host, _, port = ep.rpartition(":")
-        if not host or not port.isdigit():
-            raise RPCError(f"RPC server '{ep}' is not host:port")
-        if not 1 <= int(port) <= 65535:
-            raise RPCError(f"RPC server '{ep}': port must be in 1..65535")
         # ggml-rpc aborts the process on a server that cannot be reached or answers wrong, and waits for ever on one
         # that never answers: ask first, with a timeout
-        _hello(ep, host, int(port))
+        _hello(name, host, int(port))
         reg = rpc.ggml_backend_rpc_add_server(ep.encode())
         if not reg:
-            raise RPCError(f"RPC server {ep} cannot be reached (is `pykvcache rpc-server` running there?)")
+            raise RPCError(f"RPC server {name} cannot be reached (is `pykvcache rpc-server` running there?)")
         ggml.ggml_backend_register(reg)
         _added.append(ep)
     return endpoints

@@ -305,3 +305,33 @@ def test_memcheck_finds_no_error_on_the_host_and_over_rpc(rpc_server, tiny_llama
     assert len(out["policies"]) == 3 and out["pass"]
     summ = out["policies"][1]
     assert summ["summary_cpu"]["n_bins"] > 0  # the fits ran
+
+
+TWO_NAMES = """
+import ctypes, sys
+from pykvcache import Llama, rpc
+model, port = sys.argv[1:3]
+texts = []
+for name in ("localhost", "127.0.0.1"):
+    llm = Llama(model, n_ctx=256, verbose=False, rpc_servers=f"{name}:{port}", n_gpu_layers=-1, n_threads=1)
+    texts.append(llm.create_completion("Hello", max_tokens=4, temperature=0.0)["choices"][0]["text"])
+    del llm
+_, ggml, _ = rpc._libs()
+ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+print(texts[0] == texts[1], ggml.ggml_backend_dev_count(), rpc._added, flush=True)
+"""
+
+
+def test_two_names_of_one_server_are_one_device(model_path):
+    """Found by an audit: `localhost:P` then `127.0.0.1:P` registered two ggml-rpc devices for one server, each with
+    its own connection, and the server serves one client at a time: the second model load waited for ever."""
+    port = free_port()
+    server = start_rpc_server(port, 1)
+    try:
+        res = subprocess.run([sys.executable, "-c", TWO_NAMES, model_path, str(port)], cwd="/", capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().split(None, 2) == ["True", "2", f"['127.0.0.1:{port}']"]  # the CPU and the one server
