@@ -186,8 +186,10 @@ class Llama(llama_cpp.Llama):
             msg, n = re.subn(r"exceed context window of \d+", f"exceed context window of {self._n_ctx}", str(exc))
             if n == 0:
                 raise
-            raise ValueError(msg + ": a longer prompt needs a larger n_ctx (a retention policy keeps the KV memory at "
-                             "its budget whatever n_ctx is)") from exc
+            pol = self.kv_policy
+            why = (" (a retention policy keeps the KV memory at its budget whatever n_ctx is)"
+                   if pol is not None and pol.retains else "")  # the full cache's memory grows with n_ctx
+            raise ValueError(msg + ": a longer prompt needs a larger n_ctx" + why) from exc
         finally:
             self._completing = False
             inner.close()  # a stream left early (as `yield from` closed it)

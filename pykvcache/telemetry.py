@@ -373,7 +373,9 @@ class KVTelemetry:
     entropy[n_layer, n_head]      mean entropy (nats) of each query head's attention over the window queries
     mass[n_layer, n_pos]          mean attention mass per position (averaged over heads and window queries); only
                                   the positions still held, so where decode steps observed and the policy evicted
-                                  since, what earlier window queries gave the evicted ones is missing (sum below 1)
+                                  since, what earlier window queries gave the evicted ones is missing (sum below 1);
+                                  a token thawed from the host tier since carries the mass it had when it froze
+                                  (the score stage's), so between observations a layer can sum above 1
     mass_acc[n_layer, n_pos]      accumulated (decayed) head-mean mass over all observations so far
     mass_per_head[n_layer, n_head, n_pos]  only when asked for (per_head=True)
     pos                           the last query position of the observation behind mass (-1: none yet)

@@ -221,8 +221,10 @@ def test_a_completion_that_reaches_n_ctx_inside_a_character_ends_for_its_length(
         chunks = list(llm.create_completion(prompt, max_tokens=None, temperature=0, stream=True))
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
-    with pytest.raises(ValueError, match="exceed context window of 512: a longer prompt needs a larger n_ctx"):
+    with pytest.raises(ValueError, match="exceed context window of 512: a longer prompt needs a larger n_ctx") as err:
         llm.create_completion(filler[:600], max_tokens=4)
+    # the memory argument only where a retention policy bounds it (an audit saw it with the full cache)
+    assert ("a retention policy keeps the KV memory at its budget" in str(err.value)) == (policy is not None)
 
 
 def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
