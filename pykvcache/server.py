@@ -90,9 +90,14 @@ class KVLlamaProxy(LlamaProxy):
                                             kv_reuse=getattr(settings, "kv_reuse", "exact"),
                                             n_seq_max=getattr(settings, "n_parallel", 1))
         try:
-            return LlamaProxy.load_llama_from_model_settings(settings)
+            llama = LlamaProxy.load_llama_from_model_settings(settings)
         finally:
             llama_cpp.Llama = saved
+        from .parallel import Turns
+
+        # each call, and each step of a stream, takes the context's turn: /v1/kv/stats reads between two steps
+        llama._exclusive.turns = Turns()
+        return llama
 
 
 def kv_stats_of(llama: Llama) -> Dict[str, Any]:
@@ -258,19 +263,42 @@ def add_kv_routes(app: Any) -> None:
             return {"object": "list", "data": [await anyio.to_thread.run_sync(pool_stats, pool, server_app._llama_proxy)]}
         return
 
+    if len(list(server_app._llama_proxy or [])) == 1:
+        # one model, never swapped: read it between two steps of whatever runs, without llama-cpp-python's request
+        # lock, whose waiters tell a running stream to stop (a stats poll cut streams short) and which a queue of
+        # completions holds for their whole length
+        @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
+                 dependencies=[Depends(server_app.authenticate)])
+        async def kv_stats_between_steps() -> Dict[str, Any]:
+            data = await anyio.to_thread.run_sync(models_stats, server_app._llama_proxy, True)
+            return {"object": "list", "data": data}
+        return
+
     @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
              dependencies=[Depends(server_app.authenticate)])
     async def kv_stats(llama_proxy: LlamaProxy = Depends(server_app.get_llama_proxy)) -> Dict[str, Any]:
-        models = []
-        for alias in llama_proxy:
-            loaded = alias == llama_proxy._current_model_alias and llama_proxy._current_model is not None
-            entry: Dict[str, Any] = {"model": alias, "loaded": loaded}
-            if loaded:
-                entry.update(kv_stats_of(llama_proxy._current_model))
-            else:
-                entry["policy"] = llama_proxy[alias].get("kv_policy")
-            models.append(entry)
-        return {"object": "list", "data": models}
+        return {"object": "list", "data": models_stats(llama_proxy, False)}
+
+
+def models_stats(llama_proxy: Any, take_turn: bool) -> List[Dict[str, Any]]:
+    """Each model's entry of /v1/kv/stats (the loaded one's KV stats, read in its context's turn if `take_turn`)."""
+    models = []
+    for alias in llama_proxy:
+        llama = llama_proxy._current_model if alias == llama_proxy._current_model_alias else None
+        entry: Dict[str, Any] = {"model": alias, "loaded": llama is not None}
+        if llama is None:
+            entry["policy"] = llama_proxy[alias].get("kv_policy")
+        elif take_turn and llama._exclusive.turns is not None:
+            turn = object()
+            llama._exclusive.turns.take(turn)  # no step of the context runs while this is held
+            try:
+                entry.update(kv_stats_of(llama))
+            finally:
+                llama._exclusive.turns.give(turn)
+        else:
+            entry.update(kv_stats_of(llama))
+        models.append(entry)
+    return models
 
 
 def pool_stats(pool: ViewPool, llama_proxy: Any) -> Dict[str, Any]:

@@ -304,6 +304,43 @@ def test_concurrent_streaming_clients(server):
     assert all(row["n_used"] <= row["budget"] + 16 for row in m["layers"])  # eviction once per 16 decode steps
 
 
+def test_polling_kv_stats_neither_stops_nor_waits_for_a_stream(tmp_path):
+    """Found by an audit: with llama-cpp-python's default --interrupt_requests, a GET /v1/kv/stats while a stream ran
+    waited on the request lock, and a waiter there tells the running stream to stop: a 300-token stream ended after
+    20 chunks with no finish_reason. The stats are read between two steps now, without that lock."""
+    proc, url = start(["--kv-policy", "snapkv:budget=64", "--n_ctx", "1024", "--n_threads", "1"], tmp_path)
+    try:
+        polls, errors, done = [], [], threading.Event()
+
+        def poll():
+            while not done.is_set():
+                t = time.time()
+                try:
+                    (m,) = kv_stats(url)
+                except Exception as exc:  # noqa: BLE001 - a failed read is what the test looks for
+                    errors.append(repr(exc))
+                    return
+                polls.append((time.time() - t, m["n_tokens"]))
+                time.sleep(0.05)
+
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks, poller = [], threading.Thread(target=poll)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            poller.start()
+            for line in r:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0])
+        done.set()
+        poller.join()
+    finally:
+        stop(proc)
+    assert errors == [] and len(chunks) >= 200 and chunks[-1]["finish_reason"] == "length", (errors, chunks[-1])
+    # read while it ran (its tokens seen growing), each between two steps rather than after the stream
+    assert len(polls) >= 3 and len({n for _, n in polls}) >= 2 and max(t for t, _ in polls) < 10, polls
+
+
 QUESTIONS = ["Tell me about the moon.", "What is 2+2? Explain.", "Write a haiku about rain."]
 
 
