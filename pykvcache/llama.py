@@ -16,7 +16,7 @@ import numpy as np
 from ._models.registry import model_path as packaged_model_path
 from ._native import ctx_pointer, import_llama_cpp, last_error, native
 from .batch import context_params_with, generate_batch
-from .cache_types import cache_type_name, is_quantized
+from .cache_types import CACHE_TYPES, cache_type_name, is_quantized
 from .checks import check_grammar, check_sizes, check_token_ids
 from .policies import Policy, PolicyError, as_policy, from_native
 from .recovery import RecoveryEvent, ladder_of
@@ -109,6 +109,11 @@ class Llama(llama_cpp.Llama):
         if policy is not None and policy.sparse and kwargs.get("flash_attn", True) is False:
             warnings.warn("a +sparse kv_policy with flash_attn=False: sparse prefill runs in place of flash attention, "
                           "so prompts run dense (leave flash_attn out to have it)", stacklevel=2)
+        for key in ("type_k", "type_v"):  # llama.cpp aborts on an id past ggml's types, and gives no reason for others
+            t = kwargs.get(key)
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t not in CACHE_TYPES.values()):
+                accepted = ", ".join(f"{name}={i}" for name, i in CACHE_TYPES.items())
+                raise ValueError(f"{key}={t!r}: not a KV cache type llama.cpp takes (ggml type ids: {accepted})")
         type_v = kwargs.get("type_v")
         if type_v is not None and is_quantized(type_v) and not kwargs.get("flash_attn"):
             raise ValueError(f"type_v={type_v} ({cache_type_name(type_v)}): a quantized V cache needs flash_attn=True "

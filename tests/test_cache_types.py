@@ -162,3 +162,13 @@ def test_exports_of_a_quantized_cache_are_in_the_models_basis(model_path):
         assert rel(k, ref_k) < 0.05 and rel(v, ref_v) < 0.05, key
         assert rel(q, ref_q) < 0.05, key
         assert rel(out, ref_out) < 0.05, key
+
+
+def test_a_cache_type_llama_cpp_does_not_take_is_refused_naming_the_types(model_path):
+    """Found by an audit: an id past ggml's types aborted the process (GGML_ASSERT), q2_K or q4_K (no whole blocks in
+    a 64-wide head) failed without a reason; llama.cpp's tools take nine types."""
+    from pykvcache import Llama
+
+    for key, bad in (("type_k", 99), ("type_v", 10), ("type_k", 12), ("type_v", "q8_0"), ("type_k", -1)):
+        with pytest.raises(ValueError, match=f"{key}={bad!r}: not a KV cache type llama.cpp takes .*q8_0=8"):
+            Llama(model_path, n_ctx=256, verbose=False, flash_attn=True, **{key: bad})
