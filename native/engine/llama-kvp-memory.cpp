@@ -103,18 +103,33 @@ static void llama_kvp_cell_span(const ggml_tensor * t, bool trans, uint32_t lo, 
     }
 }
 
-// copies token i's bytes between a tensor image `base` (which starts at byte `off` of the tensor) and `tok`
-static void llama_kvp_cell_copy(const ggml_tensor * t, bool trans, uint32_t size, uint8_t * base, size_t off, uint32_t idx, uint8_t * tok, bool to_tensor) {
-    if (!trans) {
-        uint8_t * row = base + (size_t) idx*t->nb[1] - off;
-        const size_t nb = ggml_row_size(t->type, t->ne[0]);
-        to_tensor ? memcpy(row, tok, nb) : memcpy(tok, row, nb);
-        return;
-    }
-    const size_t es = ggml_type_size(t->type);
+// copies token idx's row between a tensor image `base` (which starts at byte `off` of the tensor) and `tok`
+static void llama_kvp_cell_copy(const ggml_tensor * t, uint8_t * base, size_t off, uint32_t idx, uint8_t * tok, bool to_tensor) {
+    uint8_t * row = base + (size_t) idx*t->nb[1] - off;
+    const size_t nb = ggml_row_size(t->type, t->ne[0]);
+    to_tensor ? memcpy(row, tok, nb) : memcpy(tok, row, nb);
+}
+
+// copies the tokens idx of a transposed V image `base` (starting at byte `off` of the tensor) to or from toks (token
+// i's elements contiguous at i*ne[0]), one row of the tensor (one element of every token) at a time: token by token,
+// each element lands in another row (size cells apart), and the freeze's moves took most of a decode step in them
+static void llama_kvp_cells_copy_trans(const ggml_tensor * t, uint32_t size, uint8_t * base, size_t off,
+                                       const std::vector<uint32_t> & idx, uint8_t * toks, bool to_tensor) {
+    const size_t  es = ggml_type_size(t->type);
+    const size_t  nb = (size_t) t->ne[0]*es;
+    const size_t  n  = idx.size();
     for (int64_t e = 0; e < t->ne[0]; ++e) {
-        uint8_t * x = base + ((size_t) e*size + idx)*es - off;
-        to_tensor ? memcpy(x, tok + e*es, es) : memcpy(tok + e*es, x, es);
+        uint8_t * row = base + (size_t) e*size*es - off;
+        uint8_t * tok = toks + (size_t) e*es;
+        if (es == 2) {
+            for (size_t i = 0; i < n; ++i) {
+                to_tensor ? memcpy(row + (size_t) idx[i]*2, tok + i*nb, 2) : memcpy(tok + i*nb, row + (size_t) idx[i]*2, 2);
+            }
+        } else {
+            for (size_t i = 0; i < n; ++i) {
+                to_tensor ? memcpy(row + (size_t) idx[i]*es, tok + i*nb, es) : memcpy(tok + i*nb, row + (size_t) idx[i]*es, es);
+            }
+        }
     }
 }
 
@@ -153,7 +168,7 @@ void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std:
             buf.resize(len);
             ggml_backend_tensor_get(t, buf.data(), off, len);
             for (size_t i = i0; i < i1; ++i) {
-                llama_kvp_cell_copy(t, false, size, buf.data(), off, idx[order[i]], out + order[i]*nb, false);
+                llama_kvp_cell_copy(t, buf.data(), off, idx[order[i]], out + order[i]*nb, false);
             }
         });
         return;
@@ -169,8 +184,12 @@ void llama_kvp_cells_read(ggml_tensor * t, bool trans, uint32_t size, const std:
         ggml_backend_tensor_get(t, buf.data(), off, len);
         base = buf.data();
     }
+    if (trans) {
+        llama_kvp_cells_copy_trans(t, size, base, off, idx, out, false);
+        return;
+    }
     for (size_t i = 0; i < idx.size(); ++i) {
-        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], out + i*nb, false);
+        llama_kvp_cell_copy(t, base, off, idx[i], out + i*nb, false);
     }
 }
 
@@ -188,7 +207,7 @@ void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std
                 ggml_backend_tensor_get(t, buf.data(), off, len);
             }
             for (size_t i = i0; i < i1; ++i) {
-                llama_kvp_cell_copy(t, false, size, buf.data(), off, idx[order[i]], (uint8_t *) src + order[i]*nb, true);
+                llama_kvp_cell_copy(t, buf.data(), off, idx[order[i]], (uint8_t *) src + order[i]*nb, true);
             }
             ggml_backend_tensor_set(t, buf.data(), off, len);
         });
@@ -205,8 +224,12 @@ void llama_kvp_cells_write(ggml_tensor * t, bool trans, uint32_t size, const std
         ggml_backend_tensor_get(t, buf.data(), off, len);
         base = buf.data();
     }
-    for (size_t i = 0; i < idx.size(); ++i) {
-        llama_kvp_cell_copy(t, trans, size, base, off, idx[i], (uint8_t *) src + i*nb, true);
+    if (trans) {
+        llama_kvp_cells_copy_trans(t, size, base, off, idx, (uint8_t *) src, true);
+    } else {
+        for (size_t i = 0; i < idx.size(); ++i) {
+            llama_kvp_cell_copy(t, base, off, idx[i], (uint8_t *) src + i*nb, true);
+        }
     }
     if (!host) {
         ggml_backend_tensor_set(t, buf.data(), off, len);
