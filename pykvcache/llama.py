@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import numbers
 import os
 import re
 import warnings
@@ -111,7 +112,8 @@ class Llama(llama_cpp.Llama):
                           "so prompts run dense (leave flash_attn out to have it)", stacklevel=2)
         for key in ("type_k", "type_v"):  # llama.cpp aborts on an id past ggml's types, and gives no reason for others
             t = kwargs.get(key)
-            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t not in CACHE_TYPES.values()):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                  or int(t) not in CACHE_TYPES.values()):
                 accepted = ", ".join(f"{name}={i}" for name, i in CACHE_TYPES.items())
                 raise ValueError(f"{key}={t!r}: not a KV cache type llama.cpp takes (ggml type ids: {accepted})")
         type_v = kwargs.get("type_v")

@@ -172,3 +172,7 @@ def test_a_cache_type_llama_cpp_does_not_take_is_refused_naming_the_types(model_
     for key, bad in (("type_k", 99), ("type_v", 10), ("type_k", 12), ("type_v", "q8_0"), ("type_k", -1)):
         with pytest.raises(ValueError, match=f"{key}={bad!r}: not a KV cache type llama.cpp takes .*q8_0=8"):
             Llama(model_path, n_ctx=256, verbose=False, flash_attn=True, **{key: bad})
+    import numpy as np
+
+    llm = Llama(model_path, n_ctx=256, verbose=False, flash_attn=True, type_k=np.int64(Q8_0))  # any integer
+    assert llm.kv_stats().layers[0].k_bytes == llm.kv_stats().layers[0].n_cells * 6 * 34

@@ -29,7 +29,7 @@ class HostFate(Stage):
 
     @classmethod
     def server_stats(cls, llm: "Llama") -> Dict[str, Any]:
-        """The host tier's token counts and moves, and the recovery ladder's events by level, for the server's KV stats."""
+        """The host tier's token counts and moves and the recovery ladder's events by level, for the server's stats."""
         out = _read_stats(llm)  # the counts alone, not each layer's positions
         res: Dict[str, Any] = {k: int(getattr(out, k)) for k in ("n_host", "n_frozen", "n_freeze", "n_thaw", "n_evict",
                                                                  "n_dropped", "n_rerank", "n_promote")}
