@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from .cache_types import CACHE_TYPES, is_quantized
+from .telemetry import PLOT_SUFFIXES
 
 POLICY_HELP = (
     "KV policy spec: preset[:key=value,...][+stage[:key=value,...]]..., e.g. 'observe:window=32,every=4', "
     "'snapkv:budget=0.1+entropy' or 'none' (llama.cpp's full cache); `pykvcache policies` lists the presets and stages"
 )
-
-
-PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
 def _add_common(p: argparse.ArgumentParser, default_policy: str) -> None:
@@ -168,6 +166,16 @@ def check_output_path(path: Optional[str], what: str, suffixes: Tuple[str, ...] 
         raise ValueError(f"{what} {path}: not writable")
 
 
+def read_text_file(path: str) -> str:
+    """The UTF-8 text of a prompt file (-f/--file), or a ValueError that names the file and what is wrong."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except OSError as exc:
+        raise ValueError(f"-f/--file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"-f/--file {path} is not UTF-8 text") from None
+
+
 def check_run_args(args: argparse.Namespace) -> None:
     """Check generate's and telemetry's numbers and output paths before the model loads."""
     if args.ctx_size < 0:
@@ -190,12 +198,7 @@ def check_run_args(args: argparse.Namespace) -> None:
     check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
     check_output_path(args.json, "--json")
     if args.file is not None:
-        try:
-            args.prompt = Path(args.file).read_text(encoding="utf-8-sig")
-        except OSError as exc:
-            raise ValueError(f"-f/--file {args.file}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"-f/--file {args.file} is not UTF-8 text") from None
+        args.prompt = read_text_file(args.file)
     if not args.prompt:
         raise ValueError("the prompt is empty")
     if args.plot or args.json:

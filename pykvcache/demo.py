@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 from .llama import Llama
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n_prompt < 256:
         raise ValueError(f"--n-prompt must be >= 256 tokens (got {args.n_prompt})")
     from .checks import MAX_THREADS
-    from .cli import PLOT_SUFFIXES, check_output_path
+    from .cli import PLOT_SUFFIXES, check_output_path, read_text_file
 
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise ValueError(f"-t/--threads must be in 1..{MAX_THREADS} (got {args.threads})")
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--plot needs a policy that observes attention; {policy.spec()} does not")
     check_output_path(args.plot, "--plot", PLOT_SUFFIXES)  # before the two runs
     if args.file:
-        text = Path(args.file).read_text(encoding="utf-8-sig", errors="replace")
+        text = read_text_file(args.file)  # as generate reads it: a binary file is one line, not replacement marks
         source = args.file
     else:
         from .corpus import essays

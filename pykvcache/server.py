@@ -394,7 +394,12 @@ def load_settings(args: argparse.Namespace) -> tuple:
 
                 import yaml
 
-                cfg = KVConfigFileSettings.model_validate_json(json.dumps(yaml.safe_load(f)))
+                try:
+                    data = json.dumps(yaml.safe_load(f))
+                except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError) as exc:  # a date is no JSON value
+                    raise ValueError(f"config file {config_file}: not a YAML settings file "
+                                     f"({' '.join(str(exc).split())})") from None
+                cfg = KVConfigFileSettings.model_validate_json(data)
             else:
                 cfg = KVConfigFileSettings.model_validate_json(f.read())
         return ServerSettings.model_validate(cfg), cfg.models or [KVModelSettings()]

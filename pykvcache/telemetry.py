@@ -9,6 +9,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")  # a plot's format is its path's suffix
+
 
 @dataclass(frozen=True)
 class LayerStats:
@@ -465,6 +467,8 @@ class KVTelemetry:
         import matplotlib.pyplot as plt
 
         path = Path(path)
+        if path.is_dir() or path.suffix.lower() not in PLOT_SUFFIXES:  # matplotlib would write another file
+            raise ValueError(f"plot path '{path}' needs a file name with one of the suffixes {', '.join(PLOT_SUFFIXES)}")
         if self.entropy.size == 0 and self.sparse is not None:  # sparse prefill only, nothing observed
             fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 2.2, 1]})
             self.sparse.plot_axes(axes[0], axes[1], axes[2], fig)

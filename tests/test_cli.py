@@ -145,6 +145,7 @@ def test_serve_help_names_the_policy_flag():
     (["demo", "--policy", "sink_recent", "--plot", "x.png"], "--plot needs a policy that observes"),  # wrote nothing
     (["demo", "-f", "."], "Is a directory"),                                     # a traceback
     (["demo", "-t", "0"], "-t/--threads must be in 1..512"),                     # taken as the default
+    (["demo", "-f", "/bin/true"], "-f/--file /bin/true is not UTF-8 text"),      # a report on replacement marks
     (["generate", "-p", "hi", "--temp", "nan"], "--temp must be a number >= 0"),
     (["telemetry", "-p", "hi", "--policy", "none"], "needs an observing policy"),
     (["eval", "--budgets", ""], "no budget to evaluate"),

@@ -184,6 +184,13 @@ def test_the_mass_map_is_drawn_at_the_tokens_positions(model_path, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         llm.kv_telemetry().plot(tmp_path / "empty.png")
+    # found by an audit: a path without an image suffix, or a folder, had matplotlib write `fig.png` while plot()
+    # returned `fig` (a user's file of that name, untouched); the CLI checked this, the API did not
+    (tmp_path / "fig").write_text("mine")
+    for bad in (tmp_path / "fig", tmp_path, tmp_path / "t.txt"):
+        with pytest.raises(ValueError, match="needs a file name with one of the suffixes .png"):
+            llm.kv_telemetry().plot(bad)
+    assert not (tmp_path / "fig.png").exists() and (tmp_path / "fig").read_text() == "mine"
     llm.eval(llm.tokenize(b"The lighthouse keeper counted the ships that passed the rocks each night. " * 30))
     tel = llm.kv_telemetry()
     gaps = np.setdiff1d(np.arange(tel.positions[-1] + 1), tel.positions)

@@ -247,6 +247,19 @@ def test_bad_policy_stops_the_server_with_one_line(tmp_path):
     assert len(lines) == 1 and "unknown key 'budgt'" in lines[0] and "budget" in lines[0]
 
 
+@pytest.mark.parametrize("text", [b"models:\n  - model: [unclosed\n", b"models:\n  - model: caf\xe9\n",
+                                  b"models:\n  - model: m.gguf\n    model_alias: 2024-01-01\n"])
+def test_a_bad_yaml_config_file_stops_the_server_with_one_line(tmp_path, text):
+    """Found by an audit: a YAML syntax error, a byte that is not UTF-8 or a value YAML reads as a date gave a Python
+    traceback (bad JSON gave one line)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_bytes(text)
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(cfg)], cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and f"config file {cfg}: not a YAML settings file" in lines[0], lines
+
+
 @pytest.mark.parametrize("args, says", [
     (["--port", "99999"], "port 99999: give 0 to 65535"),
     (["--ssl_keyfile", "/no/key.pem", "--ssl_certfile", "/no/cert.pem"], "--ssl_keyfile /no/key.pem: no such file"),
