@@ -263,40 +263,35 @@ def add_kv_routes(app: Any) -> None:
             return {"object": "list", "data": [await anyio.to_thread.run_sync(pool_stats, pool, server_app._llama_proxy)]}
         return
 
-    if len(list(server_app._llama_proxy or [])) == 1:
-        # one model, never swapped: read it between two steps of whatever runs, without llama-cpp-python's request
-        # lock, whose waiters tell a running stream to stop (a stats poll cut streams short) and which a queue of
-        # completions holds for their whole length
-        @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
-                 dependencies=[Depends(server_app.authenticate)])
-        async def kv_stats_between_steps() -> Dict[str, Any]:
-            data = await anyio.to_thread.run_sync(models_stats, server_app._llama_proxy, True)
-            return {"object": "list", "data": data}
-        return
-
+    # read between two steps of whatever runs (each call and stream step of a served Llama takes its context's turn),
+    # not under llama-cpp-python's request lock: a waiter there tells a running stream to stop (a stats poll cut
+    # streams short), and a queue of completions holds it for their whole length
     @app.get("/v1/kv/stats", summary="KV cache stats", tags=["pykvcache"],
              dependencies=[Depends(server_app.authenticate)])
-    async def kv_stats(llama_proxy: LlamaProxy = Depends(server_app.get_llama_proxy)) -> Dict[str, Any]:
-        return {"object": "list", "data": models_stats(llama_proxy, False)}
+    async def kv_stats() -> Dict[str, Any]:
+        return {"object": "list", "data": await anyio.to_thread.run_sync(models_stats, server_app._llama_proxy)}
 
 
-def models_stats(llama_proxy: Any, take_turn: bool) -> List[Dict[str, Any]]:
-    """Each model's entry of /v1/kv/stats (the loaded one's KV stats, read in its context's turn if `take_turn`)."""
+def models_stats(llama_proxy: Any) -> List[Dict[str, Any]]:
+    """Each model's entry of /v1/kv/stats: the loaded one's KV stats, read in its context's turn."""
     models = []
     for alias in llama_proxy:
         llama = llama_proxy._current_model if alias == llama_proxy._current_model_alias else None
-        entry: Dict[str, Any] = {"model": alias, "loaded": llama is not None}
-        if llama is None:
-            entry["policy"] = llama_proxy[alias].get("kv_policy")
-        elif take_turn and llama._exclusive.turns is not None:
+        entry: Dict[str, Any] = {"model": alias, "loaded": False}
+        if llama is not None:
+            turns = llama._exclusive.turns
             turn = object()
-            llama._exclusive.turns.take(turn)  # no step of the context runs while this is held
+            if turns is not None:
+                turns.take(turn)  # no step of the context runs while this is held (close() waits for it too)
             try:
-                entry.update(kv_stats_of(llama))
+                # a request swapping the model may have closed it meanwhile (under the request lock, not this turn)
+                if llama_proxy._current_model is llama and llama._ctx.ctx is not None:
+                    entry.update(loaded=True, **kv_stats_of(llama))
             finally:
-                llama._exclusive.turns.give(turn)
-        else:
-            entry.update(kv_stats_of(llama))
+                if turns is not None:
+                    turns.give(turn)
+        if not entry["loaded"]:
+            entry["policy"] = llama_proxy[alias].get("kv_policy")
         models.append(entry)
     return models
 

@@ -317,11 +317,20 @@ def test_concurrent_streaming_clients(server):
     assert all(row["n_used"] <= row["budget"] + 16 for row in m["layers"])  # eviction once per 16 decode steps
 
 
-def test_polling_kv_stats_neither_stops_nor_waits_for_a_stream(tmp_path):
+@pytest.mark.parametrize("n_models", [1, 2])
+def test_polling_kv_stats_neither_stops_nor_waits_for_a_stream(tmp_path, model_path, n_models):
     """Found by an audit: with llama-cpp-python's default --interrupt_requests, a GET /v1/kv/stats while a stream ran
     waited on the request lock, and a waiter there tells the running stream to stop: a 300-token stream ended after
-    20 chunks with no finish_reason. The stats are read between two steps now, without that lock."""
-    proc, url = start(["--kv-policy", "snapkv:budget=64", "--n_ctx", "1024", "--n_threads", "1"], tmp_path)
+    20 chunks with no finish_reason (also with two models in a config file). The stats are read between two steps
+    now, without that lock."""
+    if n_models == 1:
+        proc, url = start(["--kv-policy", "snapkv:budget=64", "--n_ctx", "1024", "--n_threads", "1"], tmp_path)
+    else:
+        port = free_port()
+        models = [{"model": model_path, "model_alias": alias, "kv_policy": pol, "n_ctx": 1024, "n_threads": 1}
+                  for alias, pol in (("pruned", "snapkv:budget=64"), ("full", None))]
+        (tmp_path / "config.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "models": models}))
+        proc, url = start(["--config_file", str(tmp_path / "config.json")], tmp_path, port)
     try:
         polls, errors, done = [], [], threading.Event()
 
@@ -329,14 +338,14 @@ def test_polling_kv_stats_neither_stops_nor_waits_for_a_stream(tmp_path):
             while not done.is_set():
                 t = time.time()
                 try:
-                    (m,) = kv_stats(url)
+                    m = kv_stats(url)[0]  # the served model, or the config file's first (the one streaming)
                 except Exception as exc:  # noqa: BLE001 - a failed read is what the test looks for
                     errors.append(repr(exc))
                     return
-                polls.append((time.time() - t, m["n_tokens"]))
+                polls.append((time.time() - t, m.get("n_tokens", -1)))
                 time.sleep(0.05)
 
-        body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+        body = {"model": "pruned", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         chunks, poller = [], threading.Thread(target=poll)
