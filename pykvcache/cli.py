@@ -439,8 +439,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"-o/--output {out}: not writable")
     results = evaluate(cfg, quiet=args.quiet)
     results["command"] = " ".join(["pykvcache"] + [shlex.quote(a) for a in getattr(args, "argv", [])])
+    print(markdown(results), flush=True)  # first: a write that fails then loses no result
     paths = write_outputs(results, out)
-    print(markdown(results))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

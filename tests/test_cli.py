@@ -202,3 +202,13 @@ def test_generate_counts_the_tokens_it_generated(tmp_path):
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert int(re.search(r"\| (\d+) tokens in ", out.stderr)[1]) >= 16, out.stderr
+
+
+def test_eval_prints_its_results_before_a_write_that_fails(tmp_path):
+    """Found by an audit: eval wrote its files before printing, so a last write that failed (eval.json a folder, a
+    full disk) lost the whole run's results; they are printed first now."""
+    (tmp_path / "out" / "eval.json").mkdir(parents=True)
+    out = run("eval", "--policies", "snapkv", "--budgets", "0.5", "--needle-lengths", "128", "--depths", "0.5",
+              "--kl-tokens", "160", "--stream", "16", "-t", "1", "-q", "-o", "out", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "snapkv" in out.stdout and "|" in out.stdout  # the results table
