@@ -248,9 +248,7 @@ def sequence_stats(llm: Llama, views: List[SequenceView], turn: Optional[object]
                     del llm._reading_seq
                 row.update(budget=mem.budget, n_active=mem.n_active, kv_bytes=stats.total_bytes,
                            n_evicted=sum(b.n_evicted for b in mem.layers))
-                row["layers"] = [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used,
-                                  "bytes": s.k_bytes + s.v_bytes, "on_device": s.on_device, "budget": b.budget,
-                                  "entropy": b.entropy, "n_evicted": b.n_evicted}
+                row["layers"] = [dict(s.row(), budget=b.budget, entropy=b.entropy, n_evicted=b.n_evicted)
                                  for s, b in zip(stats.layers, mem.layers)]
                 row.update(shown)
             res.append(row)

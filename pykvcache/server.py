@@ -114,8 +114,7 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
         "n_tokens": int(llama.n_tokens),
         "kv_bytes": stats.total_bytes,
         # on_device: the layer's cache is in the GPU's (or an RPC server's) memory, not the host's
-        "layers": [{"layer": s.layer, "n_cells": s.n_cells, "n_used": s.n_used, "bytes": s.k_bytes + s.v_bytes,
-                    "on_device": s.on_device} for s in stats.layers],
+        "layers": [s.row() for s in stats.layers],
     }
     if pol is not None and pol.retains:
         mem = llama.kv_memory()
@@ -279,17 +278,14 @@ def models_stats(llama_proxy: Any) -> List[Dict[str, Any]]:
         llama = llama_proxy._current_model if alias == llama_proxy._current_model_alias else None
         entry: Dict[str, Any] = {"model": alias, "loaded": False}
         if llama is not None:
-            turns = llama._exclusive.turns
-            turn = object()
-            if turns is not None:
-                turns.take(turn)  # no step of the context runs while this is held (close() waits for it too)
+            turns, turn = llama._exclusive.turns, object()  # set by KVLlamaProxy on every model it loads
+            turns.take(turn)  # no step of the context runs while this is held (close() waits for it too)
             try:
                 # a request swapping the model may have closed it meanwhile (under the request lock, not this turn)
                 if llama_proxy._current_model is llama and llama._ctx.ctx is not None:
                     entry.update(loaded=True, **kv_stats_of(llama))
             finally:
-                if turns is not None:
-                    turns.give(turn)
+                turns.give(turn)
         if not entry["loaded"]:
             entry["policy"] = llama_proxy[alias].get("kv_policy")
         models.append(entry)

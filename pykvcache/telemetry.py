@@ -23,6 +23,11 @@ class LayerStats:
     v_bytes: int
     on_device: bool
 
+    def row(self) -> Dict[str, Any]:
+        """The layer's entry in the server's KV stats (JSON-ready)."""
+        return {"layer": self.layer, "n_cells": self.n_cells, "n_used": self.n_used,
+                "bytes": self.k_bytes + self.v_bytes, "on_device": self.on_device}
+
 
 @dataclass(frozen=True)
 class KVStats:
