@@ -30,6 +30,7 @@
 struct kvbench_params {
     std::string              model;
     std::string              text_file;
+    std::string              text;         // the text file's text, read before the model loads
     std::vector<std::string> policies;
     std::vector<int32_t>     n_prompt = { 512 };
     std::vector<int32_t>     n_gen    = { 128 };
@@ -382,6 +383,9 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             return 1;
         } else if (arg == "-m" || arg == "--model") {
             params.model = value();
+            if (params.model.empty()) {
+                throw std::invalid_argument(arg + ": an empty path; give a GGUF file, or leave -m out for the embedded model");
+            }
         } else if (arg == "--policy") {
             params.policies.push_back(value());
         } else if (arg == "-p" || arg == "--n-prompt") {
@@ -427,6 +431,7 @@ static int kvbench_parse_args(int argc, char ** argv, kvbench_params & params) {
             add("-fa", params.flash_attn, kvbench_parse_fa(arg, value()));
         } else if (arg == "-f" || arg == "--file") {
             params.text_file = value();
+            params.text      = kvp_tool_read_text(params.text_file);
         } else if (arg == "-s" || arg == "--seed") {
             params.seed = (uint32_t) kvp_tool_parse_int(arg, value(), 0);
         } else if (arg == "-o" || arg == "--output") {
@@ -1199,6 +1204,13 @@ int main(int argc, char ** argv) {
             return 1;
         }
     }
+    {
+        std::error_code ec;
+        if (std::filesystem::is_directory(params.model, ec)) {
+            fprintf(stderr, "kvbench: -m: %s is a folder, not a GGUF file\n", params.model.c_str());
+            return 1;
+        }
+    }
     if (!std::ifstream(params.model)) {
         fprintf(stderr, "kvbench: model file not found: %s\n", params.model.c_str());
         return 1;
@@ -1301,7 +1313,7 @@ int main(int argc, char ** argv) {
         if (im == 0) {
             params.model_desc = kvbench_model_desc(model.ptr, params, offload);
             try {
-                tokens = kvp_tool_tokens(llama_model_get_vocab(model.ptr), params.text_file, params.seed, (size_t) n_need + 1);
+                tokens = kvp_tool_tokens(llama_model_get_vocab(model.ptr), params.text, params.text_file, params.seed, (size_t) n_need + 1);
             } catch (const std::exception & e) {
                 fprintf(stderr, "kvbench: %s\n", e.what());
                 return 1;

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -132,18 +134,75 @@ static inline std::vector<int32_t> kvp_tool_parse_list(const std::string & flag,
     return res;
 }
 
-// n test tokens: the text file's tokens repeated, or (no file) random tokens from seed, without control or
+// whether s is well-formed UTF-8 (no overlong forms, no surrogates, nothing above U+10FFFF)
+static inline bool kvp_tool_is_utf8(const std::string & s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        const unsigned char c = (unsigned char) s[i];
+        int      n   = 0;
+        uint32_t cpt = 0;
+        if (c < 0x80) {
+            i += 1;
+            continue;
+        } else if ((c & 0xE0) == 0xC0) {
+            n = 1; cpt = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            n = 2; cpt = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            n = 3; cpt = c & 0x07;
+        } else {
+            return false;
+        }
+        if (i + n >= s.size()) {
+            return false;
+        }
+        for (int j = 1; j <= n; ++j) {
+            const unsigned char d = (unsigned char) s[i + j];
+            if ((d & 0xC0) != 0x80) {
+                return false;
+            }
+            cpt = (cpt << 6) | (d & 0x3F);
+        }
+        const uint32_t min_cpt[4] = { 0, 0x80, 0x800, 0x10000 };
+        if (cpt < min_cpt[n] || cpt > 0x10FFFF || (cpt >= 0xD800 && cpt <= 0xDFFF)) {
+            return false;
+        }
+        i += n + 1;
+    }
+    return true;
+}
+
+// the UTF-8 text of a prompt file (-f), without a byte-order mark, or an invalid_argument that names the file and
+// what is wrong with it; read before any model loads
+static inline std::string kvp_tool_read_text(const std::string & path) {
+    if (path.empty()) {
+        throw std::invalid_argument("-f: an empty path; give a text file, or leave -f out for random tokens");
+    }
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+        throw std::invalid_argument("-f: " + path + " is a folder; give a text file");
+    }
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        throw std::invalid_argument("-f: cannot read " + path + ": " + std::strerror(errno));
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) {
+        text.erase(0, 3);
+    }
+    if (!kvp_tool_is_utf8(text)) {
+        throw std::invalid_argument("-f: " + path + " is not UTF-8 text");
+    }
+    return text;
+}
+
+// n test tokens: the text's tokens repeated, or (no text) random tokens from seed, without control or
 // end-of-generation tokens
-static inline std::vector<llama_token> kvp_tool_tokens(const llama_vocab * vocab, const std::string & text_file, uint32_t seed, size_t n) {
+static inline std::vector<llama_token> kvp_tool_tokens(const llama_vocab * vocab, const std::string & text, const std::string & text_file, uint32_t seed, size_t n) {
     std::vector<llama_token> base;
     if (!text_file.empty()) {
-        std::ifstream in(text_file, std::ios::binary);
-        if (!in) {
-            throw std::invalid_argument("-f: cannot read " + text_file);
-        }
-        std::stringstream ss;
-        ss << in.rdbuf();
-        const std::string text = ss.str();
         base.resize(text.size() + 16);
         const int32_t k = llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), base.data(), (int32_t) base.size(), false, false);
         if (k <= 0) {

@@ -148,6 +148,26 @@ def test_kvbench_bad_arguments_fail_with_a_message(args, message):
     assert message in p.stderr
 
 
+def test_kvbench_says_what_is_wrong_with_its_files_before_the_model_loads(tmp_path):
+    """An empty -m or -f was the embedded model or random tokens; a folder, a binary or a Latin-1 file, a
+    tokenizer's message without the file."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    cases = [
+        (["-m", ""], "-m: an empty path"),
+        (["-m", str(tmp_path)], f"-m: {tmp_path} is a folder, not a GGUF file"),
+        (["-f", ""], "-f: an empty path"),
+        (["-f", str(tmp_path)], f"-f: {tmp_path} is a folder"),
+        (["-f", str(cli.kvbench_path())], f"-f: {cli.kvbench_path()} is not UTF-8 text"),
+        (["-f", str(latin1)], f"-f: {latin1} is not UTF-8 text"),
+        (["-f", str(tmp_path / "none.txt")], f"-f: cannot read {tmp_path / 'none.txt'}: No such file"),
+    ]
+    for args, message in cases:
+        p = kvbench("-p", "16", "-n", "4", "-r", "1", *args)
+        assert p.returncode == 1 and p.stdout == "", args
+        assert len(p.stderr.strip().splitlines()) == 1 and message in p.stderr, (args, p.stderr)
+
+
 @pytest.mark.parametrize("policy, message", [
     ("snapkv:budget=0.1+summarise:bin=128,rank=65", "stage 'summarise': rank must be <= the head size 64 (got 65)"),
     ("snapkv:budget=0.1+summarise:bin=1000000000", "stage 'summarise': bin=1000000000 never fills in this context"),
