@@ -16,6 +16,7 @@ import threading
 from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
+from .cache_types import CACHE_TYPES, cache_type_name, is_quantized
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
 from .rpc import RPCError
@@ -30,7 +31,7 @@ try:
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
-    from pydantic import Field, ValidationError, field_validator
+    from pydantic import Field, ValidationError, field_validator, model_validator
     from . import server_errors
     from .server_errors import REQUEST_BODY, JSONBodyGuard, install_error_mapping
 except ImportError as exc:  # pragma: no cover - depends on the extra
@@ -65,6 +66,15 @@ class KVModelSettings(ModelSettings):
     @classmethod
     def _check_policy(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None or v.strip().lower() in ("", "none", "full") else as_policy(v).spec()
+
+    @model_validator(mode="after")
+    def _check_cache_types(self) -> "KVModelSettings":
+        # at startup, in the server's own words, for every model of a config file (not at a request that loads it)
+        if self.type_v in CACHE_TYPES.values() and is_quantized(self.type_v) and not self.flash_attn:
+            raise ValueError(f"type_v {self.type_v} ({cache_type_name(self.type_v)}): a quantized V cache needs "
+                             "flash attention (--flash_attn true, or flash_attn: true in a config file; llama.cpp's "
+                             "rule)")
+        return self
 
 
 class KVSettings(ServerSettings, KVModelSettings):

@@ -263,12 +263,26 @@ def test_a_bad_yaml_config_file_stops_the_server_with_one_line(tmp_path, text):
 @pytest.mark.parametrize("args, says", [
     (["--port", "99999"], "port 99999: give 0 to 65535"),
     (["--ssl_keyfile", "/no/key.pem", "--ssl_certfile", "/no/cert.pem"], "--ssl_keyfile /no/key.pem: no such file"),
+    # the Python keyword's hint (flash_attn=True) before, after the model had loaded
+    (["--type_v", "8"], "type_v 8 (q8_0): a quantized V cache needs flash attention (--flash_attn true, "
+                        "or flash_attn: true in a config file; llama.cpp's rule)"),
 ])
 def test_bad_server_flags_stop_it_with_one_line(args, says):
     """uvicorn's tracebacks before (an OverflowError for the port, a FileNotFoundError for the certificates)."""
     res = subprocess.run([sys.executable, "-m", "pykvcache.server", *args], cwd="/", capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"pykvcache serve: error: {says}"]
+
+
+def test_a_config_files_second_model_with_a_quantized_v_and_no_flash_attention_stops_the_server(tmp_path, model_path):
+    """Found by an audit: only a request for that model would have loaded it and failed."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"models": [{"model": model_path, "model_alias": "a"},
+                                          {"model": model_path, "model_alias": "b", "type_v": 2}]}))
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(cfg)], cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "type_v 2 (q4_0): a quantized V cache needs flash attention" in lines[0], lines
 
 
 def test_config_file_sets_a_policy_per_model(tmp_path, model_path):
