@@ -1,6 +1,8 @@
 """Sparse prefill (prefill stage `sparse`) on the real model: close to dense attention, telemetry that adds up,
 composition with retention policies, dense fallback, and one-line errors for bad keys."""
 
+import warnings
+
 import numpy as np
 import pytest
 from conftest import log_softmax
@@ -152,6 +154,24 @@ def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
     llm.close()
 
 
+def test_a_budget_whose_layers_never_reach_the_threshold_says_its_prompts_run_dense(model_path, prompt):
+    """Found by an audit: entropy:budget=0.25+sparse ran every prompt dense (a layer holds the budget and a chunk,
+    1184 cells at n_ctx 4096, below threshold=2048), silently, with density 1.0 in every telemetry."""
+    with pytest.warns(UserWarning, match=r"kv_policy 'entropy' with \+sparse: its layers hold at most 1184 cells .*"
+                                         r"below sparse's threshold=2048, so every prompt runs dense"):
+        llm = Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.25+sparse", verbose=False)
+    llm.eval(prompt[:800])
+    assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
+    llm.close()
+    with warnings.catch_warnings():  # a threshold the layers reach, or no budget: no warning, and it runs sparse
+        warnings.simplefilter("error")
+        llm = Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.25+sparse:threshold=512", verbose=False)
+        llm.eval(prompt)
+        assert llm.kv_sparse().n_ubatch.sum() > 0
+        llm.close()
+        Llama(model_path, n_ctx=4096, kv_policy="none+sparse", verbose=False).close()
+
+
 @pytest.mark.parametrize("spec, key", [
     ("none+sparse:block=48", "block"),
     ("none+sparse:base=16", "base"),
@@ -174,7 +194,7 @@ def test_a_skip_past_the_models_layers_is_refused(model_path, spec):
     """skip >= n_layer left every layer dense: a sparse prefill that never ran, without a word."""
     with pytest.raises(PolicyError, match=r"stage 'sparse': skip=\d+ leaves no layer sparse \(the model has 30 layers\)"):
         Llama(model_path, n_ctx=512, kv_policy=spec, flash_attn=True, verbose=False)
-    Llama(model_path, n_ctx=512, kv_policy=spec.split(":skip")[0] + ":skip=29", flash_attn=True, verbose=False)
+    Llama(model_path, n_ctx=512, kv_policy=spec.split(":skip")[0] + ":skip=29,threshold=0", flash_attn=True, verbose=False)
 
 
 def test_full_cache_plus_sparse_in_python():

@@ -55,6 +55,22 @@ class SparsePrefill(Stage):
         return res
 
 
+def never_sparse(llm: "Llama") -> Optional[str]:
+    """Why a retention policy's sparse prefill can never run sparse in this context (None if it can)."""
+    pol = llm.kv_policy
+    if pol is None or not pol.sparse or not pol.retains:
+        return None
+    threshold = int(pol.to_native().threshold)
+    most = max((layer.capacity for layer in llm.kv_memory().layers), default=0)
+    if most >= threshold:
+        return None
+    # under a retention policy a prompt runs in chunks over the budget's cells: a layer never holds more than `most`
+    name = pol.describe()["preset"]
+    return (f"kv_policy {name!r} with +sparse: its layers hold at most {most} cells in this context (the budget, a "
+            f"prompt chunk and the window), below sparse's threshold={threshold}, so every prompt runs dense "
+            f"(sparse prefill pays over long attention spans, as none+sparse has)")
+
+
 def read_telemetry(llm: "Llama") -> SparseTelemetry:
     """Sparse prefill telemetry of a context: Rigid/Dynamic heads, budgets per segment, density per layer."""
     ffi, lib = native()
