@@ -31,6 +31,7 @@
 struct check_params {
     std::string              model;
     std::string              text_file;
+    std::string              text;      // the text file's text, read before the model loads
     std::vector<std::string> policies;
     int32_t                  n_prompt    = 2048;
     int32_t                  n_gen       = 32;
@@ -102,6 +103,7 @@ static int check_parse_args(int argc, char ** argv, check_params & params) {
             params.model = value();
         } else if (arg == "-f" || arg == "--file") {
             params.text_file = value();
+            params.text      = kvp_tool_read_text(params.text_file);
         } else if (arg == "--policy") {
             params.policies.push_back(value());
         } else if (arg == "-p" || arg == "--n-prompt") {
@@ -349,7 +351,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "kvp-backend-check: %s\n", name.c_str());
         std::string line;
         try {
-            const std::vector<llama_token> prompt = kvp_tool_tokens(llama_model_get_vocab(model_cpu), params.text_file, 42, params.n_prompt);
+            const std::vector<llama_token> prompt = kvp_tool_tokens(llama_model_get_vocab(model_cpu), params.text, params.text_file, 42, params.n_prompt);
             std::vector<llama_token> gen;
             const check_side a = check_run(model_cpu, pol, prompt, gen, params);
             const check_side b = check_run(model_gpu, pol_other, prompt, gen, params);
