@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import llama_cpp
+import numpy as np
 import pytest
 from conftest import PROSE, last_logits
 
@@ -179,3 +180,31 @@ def test_reset_false_continues_by_keyword_and_by_position(model_path):
             pass
         held.append((n_before, llm.n_tokens))
     assert held[0] == held[1] and held[0][1] > held[0][0] + len(more), held
+
+
+@pytest.mark.parametrize("policy", ["sink_recent:n_sink=4,n_recent=252", "h2o:budget=128", "snapkv:budget=256",
+                                    "freeze"])
+def test_a_follow_up_under_the_budget_gives_a_fresh_contexts_logits(model_path, policy):
+    """Found by an audit: before any eviction a follow-up kept tokens computed alone (the answer's decode steps; a
+    repeated prompt's last token, evaluated again alone), whose values round otherwise than a prompt batch's (logits
+    up to ~0.6 apart): greedy answers differed from a fresh context's, which kv_reuse='exact' promises."""
+    prompt = "Alice has three apples and buys five more. Bob has two pears. Tell a short story about them.\n"
+
+    def make():
+        return Llama(model_path, n_ctx=512, verbose=False, kv_policy=policy)
+
+    for follow_up in ("extend", "repeat"):
+        llm = make()
+        answer = completion(llm, prompt, 24)
+        second = prompt + answer + "\nThen" if follow_up == "extend" else prompt
+        counts = counting(llm)
+        completion(llm, second, 1)
+        assert llm.kv_memory().n_evicted == 0
+        if follow_up == "extend":
+            # the first prompt's part was kept (but its last token or two, where the answer's first joins it)
+            assert counts[0] <= len(llm.tokenize(second.encode())) - len(llm.tokenize(prompt.encode())) + 2
+        fresh = make()
+        completion(fresh, second, 1)
+        np.testing.assert_array_equal(last_logits(llm), last_logits(fresh), err_msg=f"{policy} {follow_up}")
+        llm.close()
+        fresh.close()

@@ -1518,6 +1518,11 @@ bool llama_kvp_memory_context::apply() {
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
         mem->pos_end = std::max(mem->pos_end, ubatch.pos[i] + 1);
     }
+    if (ubatch.n_tokens == 1) {
+        // a token computed alone (a decode step) rounds otherwise than in a prompt's batch (the CPU's matrix-vector
+        // kernels): not what a fresh evaluation of a prompt through it holds (llama-kvp-reuse.cpp)
+        mem->pos_exact = std::min(mem->pos_exact, ubatch.pos[0]);
+    }
     return true;
 }
 

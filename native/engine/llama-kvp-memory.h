@@ -207,8 +207,8 @@ public:
     // the sequence's logical end (one past the last position placed), apart from the cells held: a truncation
     // (seq_rm p0..end) leaves the positions consistent even where the policy had evicted p0 - 1
     llama_pos pos_end   = 0;
-    // positions [0, pos_exact) are held by every layer with the K/V a full cache holds (nothing had been evicted when
-    // they were computed); LLAMA_KVP_POS_ALL while nothing was evicted
+    // positions [0, pos_exact) are held by every layer with the K/V a full cache's prompt evaluation holds (nothing had
+    // been evicted when they were computed, none was computed alone in its ubatch); LLAMA_KVP_POS_ALL while neither
     llama_pos pos_exact = LLAMA_KVP_POS_ALL;
 
     llama_seq_id                   seq_cur = 0; // the sequence whose state the members above hold

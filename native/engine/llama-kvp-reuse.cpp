@@ -12,6 +12,12 @@
 //   - a policy that observes makes its first decision from one observation of the prompt's last `window` queries
 //     over all of its cells: the fresh prompt is one ubatch, and the queries of the prefix positions in that window
 //     are still in the query ring (the suffix of at least one more token is evaluated as a prompt batch);
+////   - a token computed alone in its ubatch (a decode step; a prompt's last token where the split leaves it alone)
+//     rounds otherwise than one computed in a ubatch of two or more (llama.cpp's matrix-vector kernels; any two
+//     ubatch sizes from two up give the same bits): the prefix holds no token computed alone (pos_exact stops at
+//     the first, llama-kvp-memory.cpp), and the rest is evaluated so that exactly the tokens a fresh evaluation
+//     computes alone are computed alone (llama-cpp-python's eval cuts a prompt into n_batch tokens, this memory each
+//     of those into chunks);
 //
 // and the policy restarts as for a new prompt: budgets resolved against the new prompt's length, scores, entropies
 // and the decode schedule forgotten. Anything else is evaluated afresh from an empty cache.
@@ -20,6 +26,22 @@
 #include "llama-kvp-memory.h"
 
 #include <algorithm>
+#include <vector>
+
+// the positions in [p0, p1) that an evaluation of those tokens as a prompt computes alone in their ubatch: cut into
+// n_batch tokens from p0 (llama-cpp-python's eval), each cut into n_split (the memory's split)
+static std::vector<llama_pos> llama_kvp_alone(llama_pos p0, llama_pos p1, llama_pos n_batch, llama_pos n_split) {
+    std::vector<llama_pos> res;
+    for (llama_pos a = p0; a < p1; a += n_batch) {
+        const llama_pos b = std::min(a + n_batch, p1);
+        for (llama_pos x = a; x < b; x += n_split) {
+            if (std::min(x + n_split, b) - x == 1) {
+                res.push_back(x);
+            }
+        }
+    }
+    return res;
+}
 
 int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
     llama_pos r = std::min({ (llama_pos) n_want, (llama_pos) n_prompt - 1, pos_end, pos_exact });
@@ -40,6 +62,19 @@ int32_t llama_kvp_memory::reuse_prefix(int32_t n_prompt, int32_t n_want) {
                 r = p;
                 break;
             }
+        }
+    }
+
+    if (r > 0) {
+        // the tokens computed alone: none in the prefix, the same in the rest as in a fresh evaluation
+        const llama_pos n_batch = (llama_pos) std::max<uint32_t>(1, cparams.n_batch);
+        const llama_pos n_split = (llama_pos) std::max<uint32_t>(1, std::min(cparams.n_ubatch, chunk));
+        const auto fresh = llama_kvp_alone(0, n_prompt, n_batch, n_split);
+        if (!fresh.empty()) {
+            r = std::min(r, fresh[0]);
+        }
+        while (r > 0 && llama_kvp_alone(r, n_prompt, n_batch, n_split) != fresh) {
+            --r;
         }
     }
 
