@@ -493,11 +493,19 @@ class Llama(llama_cpp.Llama):
             out = ffi.NULL
             if self._logits_all:
                 out = ffi.cast("float *", ffi.from_buffer(self.scores[self.n_tokens : self.n_tokens + len(tokens)]))
-            k = lib.llama_kvp_prefill_guided_logits(self._native_ctx(), list(tokens), len(tokens), self.n_tokens, out)
-            if k < 0:
-                raise RuntimeError(last_error())
-            self.input_ids[self.n_tokens : self.n_tokens + k] = tokens[:k]
-            self.n_tokens += k
+            # a chunk per call: an interrupt (Ctrl-C) stops between two chunks, with the ones done kept, as
+            # llama_cpp's eval stops between two batches (found by an audit: one call for the whole prompt had it
+            # wait for the prompt's end, 16 s on 3k tokens, and lose it)
+            arr, pos0, k = ffi.new("int32_t[]", list(tokens)), self.n_tokens, 0
+            while True:
+                nxt = lib.llama_kvp_prefill_guided_next(self._native_ctx(), arr, len(tokens), pos0, k, out)
+                if nxt < 0:
+                    raise RuntimeError(last_error())
+                if nxt == k:
+                    break  # the guided chunks are done (or there were none)
+                self.input_ids[pos0 + k : pos0 + nxt] = tokens[k:nxt]
+                self.n_tokens = pos0 + nxt
+                k = nxt
             tokens = tokens[k:]
         prompt_end = -1
         if pol is not None and (pol.sparse or pol.summarises) and len(tokens) > 1:

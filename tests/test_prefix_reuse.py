@@ -208,3 +208,31 @@ def test_a_follow_up_under_the_budget_gives_a_fresh_contexts_logits(model_path, 
         np.testing.assert_array_equal(last_logits(llm), last_logits(fresh), err_msg=f"{policy} {follow_up}")
         llm.close()
         fresh.close()
+
+
+def test_an_interrupt_stops_a_guided_prompt_between_two_chunks(model_path):
+    """Found by an audit: a guided prompt (SnapKV, entropy, pyramid) ran all its chunks but the last in one native
+    call, so Ctrl-C waited for the prompt's end (16 s on 3k tokens at 1 thread) and the chunks done were lost. A
+    chunk per call now: it stops after the chunk it is in, the chunks done kept, and the Llama goes on as a fresh one."""
+    import signal
+
+    policy = "snapkv:budget=0.25"
+    llm = Llama(model_path, n_ctx=4096, verbose=False, kv_policy=policy)
+    prompt = llm.tokenize((PROSE + " ").encode()) * 40
+    prompt = prompt[:3000]
+    before = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            llm.eval(prompt)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    chunk = llm.kv_memory().chunk
+    assert 0 < llm.n_tokens < len(prompt) - chunk  # stopped early, where a chunk ends (the first takes the rest)
+    assert (llm.n_tokens - (len(prompt) - chunk) % chunk) % chunk == 0
+    assert list(llm.input_ids[: llm.n_tokens]) == prompt[: llm.n_tokens]
+    fresh = Llama(model_path, n_ctx=4096, verbose=False, kv_policy=policy)
+    assert completion(llm, FOX, 8) == completion(fresh, FOX, 8)
+    fresh.close()
+    llm.close()

@@ -322,6 +322,18 @@ int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const int32_t * tok
 
 int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
                                         float * logits) {
+    int32_t i0 = 0;
+    while (true) {
+        const int32_t next = llama_kvp_prefill_guided_next(ctx, tokens, n_tokens, pos0, i0, logits);
+        if (next < 0 || next == i0) {
+            return next; // -1: an error; else k, where the guided chunks end (0: nothing to guide)
+        }
+        i0 = next;
+    }
+}
+
+int32_t llama_kvp_prefill_guided_next(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                      int32_t i0, float * logits) {
     if (!llama_kvp_check_ctx(ctx)) {
         return -1;
     }
@@ -329,57 +341,61 @@ int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_
     if (!mem) {
         return -1;
     }
-    if (!tokens || n_tokens < 0 || pos0 < 0) {
-        llama_kvp_set_error("prefill_guided: need a token array, n_tokens >= 0 and pos0 >= 0");
+    if (!tokens || n_tokens < 0 || pos0 < 0 || i0 < 0) {
+        llama_kvp_set_error("prefill_guided: need a token array, n_tokens >= 0, pos0 >= 0 and i0 >= 0");
         return -1;
     }
     const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
-    for (int32_t i = 0; i < n_tokens; ++i) {
-        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
-            llama_kvp_set_error("prefill_guided: token " + std::to_string(i) + " (id " + std::to_string(tokens[i]) +
-                    ") is outside the vocabulary of " + std::to_string(n_vocab) + " tokens");
-            return -1;
+    if (i0 == 0) {
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+                llama_kvp_set_error("prefill_guided: token " + std::to_string(i) + " (id " + std::to_string(tokens[i]) +
+                        ") is outside the vocabulary of " + std::to_string(n_vocab) + " tokens");
+                return -1;
+            }
         }
     }
     const int32_t chunk = (int32_t) mem->chunk;
     const int32_t n_g   = (int32_t) mem->n_guide;
     // the caller's last chunk holds the prompt's end itself; nothing to guide if that is all there is
     if (n_g == 0 || chunk < n_g || n_tokens <= chunk) {
-        return 0;
+        return i0 == 0 ? 0 : -1;
     }
     const int32_t k = n_tokens - chunk;
+    if (i0 == k) {
+        return k; // done
+    }
+    // the first chunk takes the remainder, so that all later ones are full
+    if (i0 > k || (i0 > 0 && (i0 - k % chunk) % chunk != 0)) {
+        llama_kvp_set_error("prefill_guided: i0 = " + std::to_string(i0) + " is not where a chunk starts");
+        return -1;
+    }
+    const int32_t n = (i0 == 0 && k % chunk != 0) ? k % chunk : chunk;
     const llama_token * tail = tokens + n_tokens - n_g;
 
-    llama_batch batch = llama_batch_init(chunk + n_g, 0, 1);
-    int32_t res = k;
-    mem->guiding = true;
-    // the first chunk takes the remainder, so that all later ones are full
-    for (int32_t i0 = 0; i0 < k; ) {
-        const int32_t n = (i0 == 0 && k % chunk != 0) ? k % chunk : chunk;
-        batch.n_tokens = n + n_g;
-        for (int32_t j = 0; j < n + n_g; ++j) {
-            batch.token[j]     = j < n ? tokens[i0 + j] : tail[j - n];
-            batch.pos[j]       = pos0 + i0 + j;
-            batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = mem->seq_cur;
-            batch.logits[j]    = logits && j < n; // the chunk's own tokens: the guide after them does not change theirs
-        }
-        const int32_t ret = llama_decode(ctx, batch);
-        for (int32_t j = 0; ret == 0 && logits && j < n; ++j) {
-            std::copy_n(llama_get_logits_ith(ctx, j), n_vocab, logits + (size_t) (i0 + j)*n_vocab);
-        }
-        // the prompt-end tokens were only there to score the cache: their positions go to the next chunk
-        llama_memory_seq_rm(llama_get_memory(ctx), mem->seq_cur, pos0 + i0 + n, -1);
-        if (ret != 0) {
-            llama_kvp_set_error("prefill_guided: llama_decode failed (" + std::to_string(ret) + ") at token " + std::to_string(i0));
-            res = -1;
-            break;
-        }
-        i0 += n;
+    llama_batch batch = llama_batch_init(n + n_g, 0, 1);
+    batch.n_tokens = n + n_g;
+    for (int32_t j = 0; j < n + n_g; ++j) {
+        batch.token[j]     = j < n ? tokens[i0 + j] : tail[j - n];
+        batch.pos[j]       = pos0 + i0 + j;
+        batch.n_seq_id[j]  = 1;
+        batch.seq_id[j][0] = mem->seq_cur;
+        batch.logits[j]    = logits && j < n; // the chunk's own tokens: the guide after them does not change theirs
     }
+    mem->guiding = true;
+    const int32_t ret = llama_decode(ctx, batch);
     mem->guiding = false;
+    for (int32_t j = 0; ret == 0 && logits && j < n; ++j) {
+        std::copy_n(llama_get_logits_ith(ctx, j), n_vocab, logits + (size_t) (i0 + j)*n_vocab);
+    }
+    // the prompt-end tokens were only there to score the cache: their positions go to the next chunk
+    llama_memory_seq_rm(llama_get_memory(ctx), mem->seq_cur, pos0 + i0 + n, -1);
     llama_batch_free(batch);
-    return res;
+    if (ret != 0) {
+        llama_kvp_set_error("prefill_guided: llama_decode failed (" + std::to_string(ret) + ") at token " + std::to_string(i0));
+        return -1;
+    }
+    return i0 + n;
 }
 
 // the policy state of a context (an error naming `what` and nullptr for a context without a KV policy)

@@ -340,6 +340,11 @@ LLAMA_KVP_API int32_t llama_kvp_prefill_guided(struct llama_context * ctx, const
 // token's logits (llama-cpp-python's logits_all); the guide behind a chunk does not change its tokens' logits
 LLAMA_KVP_API int32_t llama_kvp_prefill_guided_logits(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
                                         float * logits);
+// one chunk of that: decodes the guided chunk that starts at tokens[i0] (i0 = 0 first, then each return value) and
+// returns where the next starts: i0 itself when there is none (i0 = k: done; 0 with nothing to guide), -1 on an
+// error. A caller that loops over it can stop between chunks (an interrupt) with tokens[0..i0) in the cache
+LLAMA_KVP_API int32_t llama_kvp_prefill_guided_next(struct llama_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0,
+                                        int32_t i0, float * logits);
 
 // the position of the prompt's last token (-1: none said). Where it is said, the prompt's end is that token's ubatch,
 // not the last ubatch that asks for logits: summarise fits its bins' rest there and sparse prefill attends to every
