@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 PACKAGE_DIR = Path(__file__).resolve().parent
 LIB_DIR = PACKAGE_DIR / "lib"
 HEADER = PACKAGE_DIR / "include" / "llama-kvp.h"
-API_VERSION = 22
+API_VERSION = 23
 
 
 class NativeLibraryError(ImportError):

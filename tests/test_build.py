@@ -30,7 +30,7 @@ def test_llama_cpp_runs_on_the_patched_library():
     loaded = Path(llama_cpp.llama_cpp._lib._name).resolve()
     assert loaded == pykvcache._native.library_path().resolve()
     ffi, lib = pykvcache._native.native()
-    assert lib.llama_kvp_api_version() == pykvcache._native.API_VERSION == 22
+    assert lib.llama_kvp_api_version() == pykvcache._native.API_VERSION == 23
 
 
 def test_generates_text(model_path):

@@ -31,7 +31,7 @@
 #    define LLAMA_KVP_API
 #endif
 
-#define LLAMA_KVP_API_VERSION 22
+#define LLAMA_KVP_API_VERSION 23
 
 #ifdef __cplusplus
 extern "C" {
