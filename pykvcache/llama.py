@@ -497,15 +497,24 @@ class Llama(llama_cpp.Llama):
             # llama_cpp's eval stops between two batches (found by an audit: one call for the whole prompt had it
             # wait for the prompt's end, 16 s on 3k tokens, and lose it)
             arr, pos0, k = ffi.new("int32_t[]", list(tokens)), self.n_tokens, 0
-            while True:
-                nxt = lib.llama_kvp_prefill_guided_next(self._native_ctx(), arr, len(tokens), pos0, k, out)
-                if nxt < 0:
-                    raise RuntimeError(last_error())
-                if nxt == k:
-                    break  # the guided chunks are done (or there were none)
-                self.input_ids[pos0 + k : pos0 + nxt] = tokens[k:nxt]
-                self.n_tokens = pos0 + nxt
-                k = nxt
+            self._requires_eval = True  # until the prompt's last chunk gives its logits
+            try:
+                while True:
+                    nxt = lib.llama_kvp_prefill_guided_next(self._native_ctx(), arr, len(tokens), pos0, k, out)
+                    if nxt < 0:
+                        raise RuntimeError(last_error())
+                    if nxt == k:
+                        break  # the guided chunks are done (or there were none)
+                    self.input_ids[pos0 + k : pos0 + nxt] = tokens[k:nxt]
+                    self.n_tokens = pos0 + nxt
+                    k = nxt
+            except BaseException:
+                # an interrupt lands as the call returns, before the count: the memory's end says how far it got
+                mem = llama_cpp.llama_get_memory(self._ctx.ctx)
+                done = min(max(llama_cpp.llama_memory_seq_pos_max(mem, self._own_seq) + 1 - pos0, 0), len(tokens))
+                self.input_ids[pos0 : pos0 + done] = tokens[:done]
+                self.n_tokens = pos0 + done
+                raise
             tokens = tokens[k:]
         prompt_end = -1
         if pol is not None and (pol.sparse or pol.summarises) and len(tokens) > 1:
@@ -521,6 +530,11 @@ class Llama(llama_cpp.Llama):
             self.kv_observe_next()
         try:
             super().eval(tokens)
+        except BaseException:
+            # an interrupt between a batch's decode and llama_cpp's count of it: the context's logits are not the last
+            # counted token's (a state saved now, or the same prompt again, sampled from them; found by an audit)
+            self._requires_eval = True
+            raise
         finally:
             if prompt_end >= 0:
                 native()[1].llama_kvp_set_prompt_end(self._native_ctx(), -1)
