@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -313,6 +314,7 @@ static void kvbench_usage(const char * argv0) {
     printf("  -s, --seed N              seed of the random tokens (default: 42)\n");
     printf("  -o, --output FMT          output format on stdout: md, json, jsonl (one row per line) or csv (default: md);\n");
     printf("                            a run that fails part way prints the tests measured before it and exits 1\n");
+    printf("                            (Ctrl-C: the same, exit 130)\n");
     printf("  --no-limit                do not measure the physical limit of the retention policies\n");
     printf("  --no-progress             do not print progress on stderr\n");
     printf("  -v, --verbose             show llama.cpp's log\n");
@@ -1130,6 +1132,19 @@ static std::string kvbench_model_desc(const llama_model * model, const kvbench_p
     return buf;
 }
 
+// Ctrl-C (or a kill) during a run: the test in progress stops (its contexts' abort callback), the tests measured before
+// it are printed, and kvbench exits 128 + the signal (as a shell reports a process the signal ended)
+static volatile std::sig_atomic_t g_kvbench_signal = 0;
+
+static void kvbench_on_signal(int sig) {
+    g_kvbench_signal = sig;
+}
+
+static bool kvbench_abort(void * data) {
+    (void) data;
+    return g_kvbench_signal != 0;
+}
+
 // the context of test t under policy pol (full: llama.cpp's own cache); nullptr if it cannot be made
 static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_params & params, const llama_kvp_policy & pol,
                                         const kvbench_test & t, llama_context_params & cparams) {
@@ -1142,6 +1157,7 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
     cparams.n_threads_batch = t.n_threads;
     cparams.type_k          = t.type_k;
     cparams.type_v          = t.type_v;
+    cparams.abort_callback  = kvbench_abort;
     if (!kvbench_is_full(pol) && llama_kvp_set_pending(&pol) != 0) {
         return nullptr;
     }
@@ -1152,7 +1168,7 @@ static llama_context * kvbench_init_ctx(llama_model * model, const kvbench_param
 
 static void kvbench_log_quiet(enum ggml_log_level level, const char * text, void * user_data) {
     (void) user_data;
-    if (level == GGML_LOG_LEVEL_ERROR) {
+    if (level == GGML_LOG_LEVEL_ERROR && !g_kvbench_signal) { // not llama_decode's lines about the abort it was told
         fputs(text, stderr);
     }
 }
@@ -1301,6 +1317,8 @@ int main(int argc, char ** argv) {
     std::vector<llama_token>    tokens;
     std::vector<kvbench_result> results;
     int rc = 0;
+    std::signal(SIGINT,  kvbench_on_signal);
+    std::signal(SIGTERM, kvbench_on_signal);
     for (size_t im = 0; im < params.n_gpu_layers.size() && rc == 0; ++im) {
         llama_model_params mparams = llama_model_default_params();
         mparams.n_gpu_layers = params.n_gpu_layers[im];
@@ -1383,8 +1401,13 @@ int main(int argc, char ** argv) {
                     kvbench_run_test(ctx, pol, tokens, params, r, full ? nullptr : ctx_lims[it]);
                     results.push_back(std::move(r));
                 } catch (const std::exception & e) {
-                    fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
+                    if (!g_kvbench_signal) {
+                        fprintf(stderr, "kvbench: %s: %s\n", name.c_str(), e.what());
+                    }
                     rc = 1;
+                }
+                if (g_kvbench_signal) {
+                    rc = 128 + g_kvbench_signal;
                 }
                 if (rc == 0 && params.limit && full && !ctx_lims[it]) {
                     ctx_lims[it] = ctx;
@@ -1402,7 +1425,14 @@ int main(int argc, char ** argv) {
             }
         }
     }
-    if (rc != 0) {
+    if (g_kvbench_signal) {
+        rc = 128 + g_kvbench_signal;
+        fprintf(stderr, "kvbench: interrupted%s\n", results.empty() ? "" :
+                (", the " + std::to_string(results.size()) + " test(s) measured before it follow").c_str());
+        if (results.empty()) {
+            return rc;
+        }
+    } else if (rc != 0) {
         if (results.empty()) {
             return rc;
         }

@@ -168,6 +168,24 @@ def test_kvbench_says_what_is_wrong_with_its_files_before_the_model_loads(tmp_pa
         assert len(p.stderr.strip().splitlines()) == 1 and message in p.stderr, (args, p.stderr)
 
 
+def test_kvbench_interrupted_prints_the_tests_measured_before(model_path):
+    """Found by an audit: Ctrl-C ended kvbench with nothing on stdout, the rows measured before lost (-o jsonl too)."""
+    import signal
+
+    cmd = [str(cli.kvbench_path()), "-m", model_path, "-p", "512", "-n", "32", "-r", "4", "-t", "2", "--no-limit",
+           "-o", "jsonl", "--policy", "snapkv:budget=0.25"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # progress: the second policy's first repetition has begun
+        if "snapkv" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert [r["policy"] for r in rows] == ["full"] and rows[0]["tg_ts"] > 0
+    assert err.strip().splitlines()[-1] == "kvbench: interrupted, the 1 test(s) measured before it follow"
+
+
 @pytest.mark.parametrize("policy, message", [
     ("snapkv:budget=0.1+summarise:bin=128,rank=65", "stage 'summarise': rank must be <= the head size 64 (got 65)"),
     ("snapkv:budget=0.1+summarise:bin=1000000000", "stage 'summarise': bin=1000000000 never fills in this context"),
