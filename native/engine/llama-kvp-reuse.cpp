@@ -12,7 +12,7 @@
 //   - a policy that observes makes its first decision from one observation of the prompt's last `window` queries
 //     over all of its cells: the fresh prompt is one ubatch, and the queries of the prefix positions in that window
 //     are still in the query ring (the suffix of at least one more token is evaluated as a prompt batch);
-////   - a token computed alone in its ubatch (a decode step; a prompt's last token where the split leaves it alone)
+//   - a token computed alone in its ubatch (a decode step; a prompt's last token where the split leaves it alone)
 //     rounds otherwise than one computed in a ubatch of two or more (llama.cpp's matrix-vector kernels; any two
 //     ubatch sizes from two up give the same bits): the prefix holds no token computed alone (pos_exact stops at
 //     the first, llama-kvp-memory.cpp), and the rest is evaluated so that exactly the tokens a fresh evaluation
