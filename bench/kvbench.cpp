@@ -1173,6 +1173,25 @@ static void kvbench_log_quiet(enum ggml_log_level level, const char * text, void
     }
 }
 
+// a retention policy's sparse prefill whose layers never hold `threshold` cells runs every prompt dense (the Llama
+// warns so too): one line, so that its density column of 1 is not read as a measurement of sparse attention
+static void kvbench_say_never_sparse(llama_context * ctx, const std::string & label, const llama_kvp_policy & pol,
+                                     const kvbench_test & t) {
+    if (pol.stage[LLAMA_KVP_SLOT_PREFILL] != LLAMA_KVP_PREFILL_SPARSE || pol.stage[LLAMA_KVP_SLOT_BUDGET] == LLAMA_KVP_STAGE_NONE) {
+        return;
+    }
+    std::vector<llama_kvp_layer_budget> b(512);
+    const int32_t n = llama_kvp_get_budgets(ctx, b.data(), (int32_t) b.size());
+    int32_t most = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        most = std::max(most, b[i].capacity);
+    }
+    if (n > 0 && most < pol.threshold) {
+        fprintf(stderr, "kvbench: %s: its layers hold at most %d cells at p=%d n=%d d=%d, below sparse's threshold=%d: its "
+                        "prompts run dense\n", label.c_str(), most, t.n_prompt, t.n_gen, t.n_depth, pol.threshold);
+    }
+}
+
 int main(int argc, char ** argv) {
     kvbench_params params;
     try {
@@ -1365,6 +1384,7 @@ int main(int argc, char ** argv) {
                     rc = 1;
                     continue;
                 }
+                kvbench_say_never_sparse(ctx, kp.label, kp.pol, tests[it]);
                 llama_free(ctx);
             }
         }

@@ -168,6 +168,16 @@ def test_kvbench_says_what_is_wrong_with_its_files_before_the_model_loads(tmp_pa
         assert len(p.stderr.strip().splitlines()) == 1 and message in p.stderr, (args, p.stderr)
 
 
+def test_kvbench_says_when_a_budgets_sparse_prefill_runs_dense(model_path):
+    """Its density column said 1 for a retention policy's sparse prefill that could never engage (the Llama warns)."""
+    p = kvbench("-p", "64", "-n", "1", "-r", "1", "-t", "2", "--no-limit", "--policy", "entropy:budget=0.25+sparse",
+                "--policy", "none+sparse", "--policy", "snapkv:budget=0.25+sparse:threshold=16", model_path=model_path)
+    assert p.returncode == 0, p.stderr
+    said = [x for x in p.stderr.splitlines() if "below sparse's threshold" in x]
+    assert len(said) == 1 and said[0].startswith("kvbench: entropy:budget=0.25+sparse: its layers hold at most ")
+    assert said[0].endswith("at p=64 n=1 d=0, below sparse's threshold=2048: its prompts run dense")
+
+
 def test_kvbench_interrupted_prints_the_tests_measured_before(model_path):
     """Found by an audit: Ctrl-C ended kvbench with nothing on stdout, the rows measured before lost (-o jsonl too)."""
     import signal
