@@ -156,12 +156,9 @@ class Llama(llama_cpp.Llama):
             # llama_cpp's methods run sequence 0, which has n_ctx/n_seq_max positions: its checks and its max_tokens
             # cut follow them (a longer prompt failed in llama_decode, a generation past them too)
             self._n_ctx = super().n_ctx() // n_seq_max
-        if policy is not None and policy.sparse and policy.retains:
-            from .stages.prefill_sparse import never_sparse
-
-            why = never_sparse(self)  # found by an audit: silent, with density 1.0 in every telemetry
-            if why:
-                warnings.warn(why, stacklevel=2)
+        why = prefill_sparse.never_sparse(self)  # found by an audit: silent, with density 1.0 in every telemetry
+        if why:
+            warnings.warn(why, stacklevel=2)
 
     @exclusive
     def close(self) -> None:
