@@ -4,8 +4,11 @@ lengths x depths, greedy agreement; JSON, a markdown table and PNG plots (`pykvc
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -607,8 +610,17 @@ def _finish(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, p
 
 
 def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
-    """results.json, results.md and the plots in out_dir."""
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "eval.md").write_text(markdown(results) + "\n")
-    return [out_dir / "eval.json", out_dir / "eval.md"] + plot(results, out_dir)
+    """eval.json, eval.md and the plots in out_dir: all of them, or none where the writing is interrupted."""
+    out_dir = Path(out_dir)
+    # made beside them first (in out_dir where it exists, so its parent need not be writable), moved when all are done
+    tmp = Path(tempfile.mkdtemp(prefix=".eval-", dir=out_dir if out_dir.is_dir() else out_dir.absolute().parent))
+    try:
+        (tmp / "eval.json").write_text(json.dumps(results, indent=1))
+        (tmp / "eval.md").write_text(markdown(results) + "\n")
+        names = ["eval.json", "eval.md"] + [p.name for p in plot(results, tmp)]
+        out_dir.mkdir(exist_ok=True)
+        for name in names:
+            os.replace(tmp / name, out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out_dir / name for name in names]

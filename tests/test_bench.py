@@ -355,7 +355,7 @@ def test_pykvcache_bench_wraps_kvbench(model_path):
     assert p.returncode == 0 and p.stdout.startswith("usage: pykvcache backend-check [options]")
 
 
-def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
+def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path, monkeypatch):
     cfg = EvalConfig(policies=["sink_recent"], budgets=[0.5], kl_tokens=192, stream=32, needle_lengths=[160],
                      depths=[0.5], n_agree=8, threads=2, model_path=model_path)
     res = evaluate(cfg, quiet=True)
@@ -366,6 +366,19 @@ def test_harness_full_cache_against_itself_is_exact(model_path, tmp_path):
     assert len(sr["bytes_trace"]) == 8 and sr["bytes"] < full["bytes"]
     paths = write_outputs(res, tmp_path)
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    # a Ctrl-C while they are written leaves no empty or half-written folder, and the earlier outputs whole
+    import pykvcache.evaluate as ev
+
+    def interrupted(results, out_dir):
+        (out_dir / "fidelity_vs_budget.png").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(ev, "plot", interrupted)
+    for out in (tmp_path / "new", tmp_path):
+        with pytest.raises(KeyboardInterrupt):
+            write_outputs(res, out)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert "| full | - | 0.0000 |" in markdown(res)
 
 
