@@ -1239,15 +1239,8 @@ int main(int argc, char ** argv) {
             return 1;
         }
     }
-    {
-        std::error_code ec;
-        if (std::filesystem::is_directory(params.model, ec)) {
-            fprintf(stderr, "kvbench: -m: %s is a folder, not a GGUF file\n", params.model.c_str());
-            return 1;
-        }
-    }
-    if (!std::ifstream(params.model)) {
-        fprintf(stderr, "kvbench: model file not found: %s\n", params.model.c_str());
+    if (const std::string err = kvp_tool_model_error(params.model); !err.empty()) {
+        fprintf(stderr, "kvbench: %s\n", err.c_str());
         return 1;
     }
 

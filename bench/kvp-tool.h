@@ -172,6 +172,18 @@ static inline bool kvp_tool_is_utf8(const std::string & s) {
     return true;
 }
 
+// why a model path (-m) cannot be loaded, before llama.cpp's loader tries it ("" if it can be read)
+static inline std::string kvp_tool_model_error(const std::string & path) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+        return "-m: " + path + " is a folder, not a GGUF file";
+    }
+    if (!std::ifstream(path)) {
+        return "model file not found: " + path;
+    }
+    return "";
+}
+
 // the UTF-8 text of a prompt file (-f), without a byte-order mark, or an invalid_argument that names the file and
 // what is wrong with it; read before any model loads
 static inline std::string kvp_tool_read_text(const std::string & path) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from .cache_types import CACHE_TYPES, is_quantized
 from .telemetry import PLOT_SUFFIXES
@@ -155,15 +156,25 @@ def check_output_path(path: Optional[str], what: str, suffixes: Tuple[str, ...] 
     """Check before any work that `path` can be written: its folder exists, it is not a folder, its suffix fits."""
     if path is None:
         return
+    if not path:
+        raise ValueError(f"{what} is an empty path: give a file name")
     p = Path(path)
     if p.is_dir() or path.endswith(os.sep):
         raise ValueError(f"{what} {path} is a folder: give a file name")
     if suffixes and p.suffix.lower() not in suffixes:
         raise ValueError(f"{what} {path} needs one of the suffixes {', '.join(suffixes)}")
-    if not p.resolve().parent.is_dir():
-        raise ValueError(f"{what} {path}: the folder {p.resolve().parent} does not exist")
+    check_parent_folder(p, f"{what} {path}")
     if not os.access(p if p.exists() else p.resolve().parent, os.W_OK):
         raise ValueError(f"{what} {path}: not writable")
+
+
+def check_parent_folder(p: Path, what: str) -> None:
+    """The folder a new file or folder goes into exists and is a folder (a file there is named as one)."""
+    parent = p.absolute().parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{what}: {parent} is a file, not a folder")
+    if not parent.is_dir():
+        raise ValueError(f"{what}: the folder {parent} does not exist")
 
 
 def read_text_file(path: str) -> str:
@@ -245,11 +256,25 @@ def _write_telemetry(llm, args: argparse.Namespace) -> None:
         return
     tel = llm.kv_telemetry()
     if args.json:
-        tel.to_json(args.json)
+        with naming_the_output("--json", args.json):
+            tel.to_json(args.json)
         print(f"telemetry json: {args.json}", file=sys.stderr)
     if args.plot:
-        tel.plot(args.plot)
+        with naming_the_output("--plot", args.plot):
+            tel.plot(args.plot)
         print(f"telemetry plot: {args.plot}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def naming_the_output(flag: str, path: Any) -> Iterator[None]:
+    """A write that fails after the checks (a full disk) names its flag and path in its one line."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        where = exc.filename2 or exc.filename  # the file inside a folder, where the failure names one
+        raise type(exc)(f"{flag} {path}: {exc.strerror or exc}" + (f" ({where})" if where else "")) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -429,18 +454,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg.corpus, cfg.needles = args.corpus, args.needles
     cfg.type_k, cfg.type_v, cfg.seed = args.cache_type_k, args.cache_type_v, args.seed
     cfg.validate()
+    if not args.output:
+        raise ValueError("-o/--output is an empty path: give a folder")
     out = Path(args.output)
     # before the evaluation, which takes minutes: the folder is made when its results are written
     if out.exists() and not out.is_dir():
         raise ValueError(f"-o/--output {out}: not a folder")
-    if not out.exists() and not out.absolute().parent.is_dir():
-        raise ValueError(f"-o/--output {out}: its folder {out.absolute().parent} does not exist")
+    if not out.exists():
+        check_parent_folder(out, f"-o/--output {out}")
     if not os.access(out if out.exists() else out.absolute().parent, os.W_OK):
         raise ValueError(f"-o/--output {out}: not writable")
     results = evaluate(cfg, quiet=args.quiet)
     results["command"] = " ".join(["pykvcache"] + [shlex.quote(a) for a in getattr(args, "argv", [])])
     print(markdown(results), flush=True)  # first: a write that fails then loses no result
-    paths = write_outputs(results, out)
+    with naming_the_output("-o/--output", out):
+        paths = write_outputs(results, out)
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

@@ -75,6 +75,8 @@ class Llama(llama_cpp.Llama):
         if model_path is None:
             model_path = default_model_path()
         model_path = os.fspath(model_path)
+        if not model_path:
+            raise FileNotFoundError("model path is empty: give a GGUF file")
         if Path(model_path).is_dir():
             raise IsADirectoryError(f"model path is a folder, not a GGUF file: {model_path}")
         if not Path(model_path).is_file():

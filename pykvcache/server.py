@@ -389,6 +389,8 @@ def load_settings(args: argparse.Namespace) -> tuple:
     if config_file:
         if not os.path.exists(config_file):
             raise ValueError(f"config file {config_file} not found")
+        if os.path.isdir(config_file):
+            raise ValueError(f"config file {config_file} is a folder, not a JSON or YAML file")
         with open(config_file, "rb") as f:
             if config_file.endswith((".yaml", ".yml")):
                 import json

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from native_tools import run_tool
 from pykvcache.corpus import essays_file
@@ -57,6 +58,10 @@ def test_backend_check_help_and_bad_arguments():
     assert p.returncode == 1 and "budgt" in p.stderr
     p = run_tool("kvp-backend-check", "-p", "0")
     assert p.returncode == 1 and "-p" in p.stderr
+    # a folder as the model: one line before llama.cpp's loader (which printed its own lines first)
+    folder = Path(default_model_path()).parent
+    p = run_tool("kvp-backend-check", "-m", str(folder))
+    assert p.returncode == 1 and p.stderr == f"kvp-backend-check: -m: {folder} is a folder, not a GGUF file\n", p.stderr
 
 
 def test_pykvcache_backend_check_wraps_the_tool():

@@ -542,7 +542,7 @@ def test_eval_cli_invalid_argument_is_a_clear_error(capsys, tmp_path):
     # an output folder whose parent is missing: one line before any work, and nothing made on the way
     out = tmp_path / "missing" / "out"
     assert cli.main(["eval", "-o", str(out), "-q"]) == 2
-    assert f"its folder {out.parent} does not exist" in capsys.readouterr().err and not out.parent.exists()
+    assert f"the folder {out.parent} does not exist" in capsys.readouterr().err and not out.parent.exists()
 
 
 def test_harness_kv_bytes_are_against_the_full_cache_of_the_kl_run(model_path):

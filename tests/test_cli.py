@@ -155,6 +155,13 @@ def test_serve_help_names_the_policy_flag():
     (["bench", "-t", "99999"], "at most 512 threads"),                           # segfaulted
     (["bench", "-p"], "-p: missing value"),                                      # took the model path as its value
     (["generate", "-p", "hi", "-ctv", "q8_0", "-fa", "off"], "a quantized V cache needs flash attention"),
+    # an empty path was the working folder: "--json  is a folder", "model path is a folder", eval wrote into it
+    (["generate", "-p", "hi", "--policy", "observe", "--json", ""], "--json is an empty path"),
+    (["generate", "-p", "hi", "-m", ""], "model path is empty"),
+    (["eval", "-o", ""], "-o/--output is an empty path"),
+    (["generate", "-p", "hi", "--policy", "observe", "--json", "/bin/true/t.json"],  # said the folder does not exist
+     "--json /bin/true/t.json: /bin/true is a file, not a folder"),
+    (["eval", "-o", "/bin/true/out"], "-o/--output /bin/true/out: /bin/true is a file, not a folder"),
 ])
 def test_bad_arguments_stop_at_once_with_one_line(args, says, tmp_path):
     out = run(*args, cwd=tmp_path)
@@ -189,7 +196,9 @@ def test_generate_says_when_the_context_ends_its_run(tmp_path):
 def test_a_write_that_fails_at_the_end_is_one_line(tmp_path):
     out = run("generate", "-p", PROMPT, "-n", "2", "-c", "256", "--policy", "observe", "--json", "/dev/full")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("pykvcache: error: [Errno 28]"), out.stderr
+    # the flag and the file named (it said "[Errno 28] No space left on device" alone)
+    assert out.stderr.strip().splitlines()[-1] == "pykvcache: error: --json /dev/full: No space left on device", \
+        out.stderr
 
 
 def test_generate_counts_the_tokens_it_generated(tmp_path):

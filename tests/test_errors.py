@@ -48,6 +48,8 @@ def test_missing_model_file(tmp_path):
         Llama(str(missing), kv_policy=Observe())
     with pytest.raises(IsADirectoryError, match="model path is a folder, not a GGUF file"):
         Llama(str(tmp_path), kv_policy=Observe())
+    with pytest.raises(FileNotFoundError, match="model path is empty"):  # was "a folder": Path("") is "."
+        Llama("", kv_policy=Observe())
 
 
 def test_unsupported_architecture_names_it(tiny_gemma3):

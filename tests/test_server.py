@@ -260,6 +260,14 @@ def test_a_bad_yaml_config_file_stops_the_server_with_one_line(tmp_path, text):
     assert res.returncode == 2 and len(lines) == 1 and f"config file {cfg}: not a YAML settings file" in lines[0], lines
 
 
+def test_a_folder_as_the_config_file_stops_the_server_with_one_line(tmp_path):
+    """It said "[Errno 21] Is a directory" without the flag or the path."""
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--config_file", str(tmp_path)], cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr == (f"pykvcache serve: error: config file {tmp_path} is a folder, not a "
+                                                  "JSON or YAML file\n"), res.stderr
+
+
 @pytest.mark.parametrize("args, says", [
     (["--port", "99999"], "port 99999: give 0 to 65535"),
     (["--ssl_keyfile", "/no/key.pem", "--ssl_certfile", "/no/cert.pem"], "--ssl_keyfile /no/key.pem: no such file"),

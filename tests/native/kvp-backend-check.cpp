@@ -302,8 +302,8 @@ int main(int argc, char ** argv) {
         }
         pols.push_back(p);
     }
-    if (!std::ifstream(params.model)) {
-        fprintf(stderr, "kvp-backend-check: model file not found: %s\n", params.model.c_str());
+    if (const std::string err = kvp_tool_model_error(params.model); !err.empty()) {
+        fprintf(stderr, "kvp-backend-check: %s\n", err.c_str());
         return 1;
     }
 
