@@ -206,3 +206,24 @@ def test_an_interrupt_after_a_batchs_decode_leaves_no_stale_logits(model_path, p
     assert first_tokens(llm, held) == want
     for x in (llm, loaded, fresh):
         x.close()
+
+
+@pytest.mark.parametrize("spec", ["none+sparse:threshold=256,base=64", "entropy:budget=0.5+sparse:threshold=256,base=64"])
+def test_a_state_saved_inside_a_sparse_prompt_goes_on_as_the_saved_context(model_path, spec):
+    """Sparse prefill carries each head's last entropy, budget and Dynamic flag from one prompt ubatch to the next. A
+    state saved between two of them left those out, so the prompt's rest, in a new context that loaded it, gave other
+    logits (4.7 apart) and text; found by an audit (llama-cpp-python's prompt cache loads such states)."""
+    def make() -> Llama:
+        return Llama(model_path, n_ctx=4096, n_threads=2, verbose=False, kv_policy=spec, flash_attn=True)
+
+    toks = Llama.tokenize(make(), essays_file().read_text()[:8000].encode())[:1200]
+    llm = make()
+    llm.eval(toks[:700])
+    state = llm.save_state()
+    llm.eval(toks[700:])
+    want = logits(llm)
+    assert llm.kv_sparse().total_density < 0.9  # sparse prefill ran
+    for loaded in (make(), llm):  # a new context, and the one that went on past the save
+        loaded.load_state(state)
+        loaded.eval(toks[700:])
+        np.testing.assert_array_equal(logits(loaded), want)

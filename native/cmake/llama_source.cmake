@@ -91,8 +91,10 @@ else()
 endif()
 
 # the patch series, in order
-file(GLOB _patches LIST_DIRECTORIES false "${PYKVCACHE_PATCH_DIR}/*.patch")
+file(GLOB _patches LIST_DIRECTORIES false CONFIGURE_DEPENDS "${PYKVCACHE_PATCH_DIR}/*.patch")
 list(SORT _patches)
+# a changed patch configures again (and so patches again) at the next build, as an added or removed one does
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${_patches})
 
 set(_hash_input "")
 set(_touched "")

@@ -19,6 +19,8 @@
 struct llama_model;
 struct llama_cparams;
 struct llama_memory_i;
+struct llama_io_write_i;
+struct llama_io_read_i;
 struct llm_graph_context;
 struct llama_ubatch;
 class  llama_kv_cache;
@@ -296,6 +298,12 @@ llama_memory_i * llama_kvp_create_memory(
 
 // llama_context constructor, after the worst-case graphs are reserved: throws if some attention layer was not seen
 void llama_kvp_context_check(llama_kvp_context * kvp);
+
+// llama_context's state, after llama.cpp's own cache (memory): the prefill stage's state where it keeps one
+// (sparse prefill without a retention policy; the per-layer memory saves it itself); nothing otherwise, so that a
+// context without it keeps llama.cpp's format. The read throws std::runtime_error where the state does not fit
+void llama_kvp_context_state_write(const llama_kvp_context * kvp, const llama_memory_i * memory, llama_io_write_i & io);
+void llama_kvp_context_state_read (llama_kvp_context * kvp, const llama_memory_i * memory, llama_io_read_i & io);
 
 // extra graph nodes the policy adds (added to llama_context::graph_max_nodes)
 uint32_t llama_kvp_graph_n_nodes(const llama_kvp_context * kvp);

@@ -21,9 +21,10 @@
 #include <stdexcept>
 
 static constexpr uint32_t LLAMA_KVP_STATE_MAGIC   = 0x4d50564b; // "KVPM"
-static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 8; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
+static constexpr uint32_t LLAMA_KVP_STATE_VERSION = 9; // 2: the stages of the policy follow the header; 3: pos_end, pos_exact; 4: mask biases; 5: the fate stage's tokens;
                                                       // 6: the cells' layout, the observation state, the step counters;
-                                                      // 7: summarise's bins apart, its dropped centroids; 8: the policy's spec
+                                                      // 7: summarise's bins apart, its dropped centroids; 8: the policy's spec;
+                                                      // 9: the prefill stage's state
 
 //
 // byte-vector io for moving a layer's tokens between two caches and for the state header
@@ -1282,6 +1283,14 @@ void llama_kvp_memory::state_write_cur(llama_io_write_i & io, llama_seq_id seq_i
             stage_schedule->state_write(*this, (int32_t) i, blob);
         }
         state_write_blob(io, blob);
+
+        // the prefill stage's state of the layer (sparse prefill's entropies and budgets, which a prompt's next
+        // ubatch starts from)
+        blob.clear();
+        if (st) {
+            stage_prefill->state_write(st, (int32_t) i, blob);
+        }
+        state_write_blob(io, blob);
     }
 }
 
@@ -1457,6 +1466,11 @@ void llama_kvp_memory::state_read_cur(llama_io_read_i & io, llama_seq_id seq_id,
         }
         if (stage_schedule) {
             stage_schedule->state_read(*this, (int32_t) i, blob);
+        }
+
+        blob = state_read_blob(io, "prefill-stage data");
+        if (st) {
+            stage_prefill->state_read(st, (int32_t) i, blob);
         }
     }
     budgets_set = stage_budget->uses_entropy();

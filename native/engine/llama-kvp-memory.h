@@ -214,6 +214,10 @@ public:
     llama_seq_id                   seq_cur = 0; // the sequence whose state the members above hold
     std::vector<llama_kvp_mem_seq> seqs;        // by sequence id: the parked state of every other sequence
 
+    // a blob of a saved state: its length, then its bytes (the read throws naming what where it is corrupt)
+    static void                 state_write_blob(llama_io_write_i & io, const std::vector<uint8_t> & blob);
+    static std::vector<uint8_t> state_read_blob (llama_io_read_i  & io, const char * what);
+
 private:
     // exchanges the current sequence's state with o's
     void seq_swap(llama_kvp_mem_seq & o);
@@ -226,8 +230,6 @@ private:
     bool seq_rm_cur(llama_pos p0, llama_pos p1);
     void state_write_cur(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const;
     void state_read_cur (llama_io_read_i  & io, llama_seq_id seq_id, llama_state_seq_flags flags);
-    static void                 state_write_blob(llama_io_write_i & io, const std::vector<uint8_t> & blob); // length, bytes
-    static std::vector<uint8_t> state_read_blob (llama_io_read_i  & io, const char * what);
 
 private:
     uint32_t resolve_budget(int32_t n_prompt) const;

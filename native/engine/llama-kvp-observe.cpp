@@ -1482,6 +1482,52 @@ void llama_kvp_obs_layer_resize(llama_kvp_context * st, int32_t ikv, uint32_t n_
     llama_kvp_update_n_cells(st);
 }
 
+static constexpr uint32_t LLAMA_KVP_PREFILL_STATE_MAGIC = 0x5050564bu; // "KVPP"
+
+// does the context's prefill state go into the context's state beside llama.cpp's own cache
+static bool llama_kvp_prefill_state_saved(const llama_kvp_context * st, const llama_memory_i * memory) {
+    if (!st || dynamic_cast<const llama_kvp_memory *>(memory)) {
+        return false;
+    }
+    for (const auto & L : st->layers) {
+        if (L.prefill_state) {
+            return true;
+        }
+    }
+    return false;
+}
+
+void llama_kvp_context_state_write(const llama_kvp_context * st, const llama_memory_i * memory, llama_io_write_i & io) {
+    if (!llama_kvp_prefill_state_saved(st, memory)) {
+        return;
+    }
+    const auto * prefill = llama_kvp_prefill_of(st->policy);
+    const uint32_t hdr[2] = { LLAMA_KVP_PREFILL_STATE_MAGIC, (uint32_t) st->layers.size() };
+    io.write(hdr, sizeof(hdr));
+    std::vector<uint8_t> blob;
+    for (size_t i = 0; i < st->layers.size(); ++i) {
+        blob.clear();
+        prefill->state_write(st, (int32_t) i, blob);
+        llama_kvp_memory::state_write_blob(io, blob);
+    }
+}
+
+void llama_kvp_context_state_read(llama_kvp_context * st, const llama_memory_i * memory, llama_io_read_i & io) {
+    if (!llama_kvp_prefill_state_saved(st, memory)) {
+        return;
+    }
+    const auto * prefill = llama_kvp_prefill_of(st->policy);
+    uint32_t hdr[2] = {};
+    io.read(hdr, sizeof(hdr));
+    if (hdr[0] != LLAMA_KVP_PREFILL_STATE_MAGIC || hdr[1] != (uint32_t) st->layers.size()) {
+        throw std::runtime_error("pykvcache: the state holds no sparse prefill state for this context's " +
+                std::to_string(st->layers.size()) + " layers (saved without the prefill stage?)");
+    }
+    for (size_t i = 0; i < st->layers.size(); ++i) {
+        prefill->state_read(st, (int32_t) i, llama_kvp_memory::state_read_blob(io, "prefill-stage data"));
+    }
+}
+
 void llama_kvp_obs_state_write(const llama_kvp_context * st, std::vector<uint8_t> & out) {
     const int32_t n[12] = { st->n_ent, st->n_obs_prompt, st->n_obs_folded, st->n_decode, st->n_obs, st->n_kv_obs,
                             st->n_queries_obs, st->n_steps, st->n_obs_heads, st->n_obs_ent, st->pos_obs, st->pos_ent };

@@ -224,6 +224,11 @@ struct llama_kvp_prefill_stage : llama_kvp_stage {
     // (llama_kvp_obs_layer::prefill_state; throws std::runtime_error on failure)
     virtual void alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx_seq) const { (void) st; (void) ikv; (void) n_ctx_seq; }
 
+    // what a saved state holds of that state of KV layer ikv (nothing by default), and its restoration (throws
+    // std::runtime_error where it does not fit)
+    virtual void state_write(const llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out) const { (void) st; (void) ikv; (void) out; }
+    virtual void state_read (llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in) const { (void) st; (void) ikv; (void) in; }
+
     // graph nodes it adds per layer to the graph of a ubatch of n_ubatch tokens
     virtual uint32_t n_graph_nodes(const llama_kvp_policy & p, uint32_t n_ubatch) const { (void) p; (void) n_ubatch; return 0; }
 

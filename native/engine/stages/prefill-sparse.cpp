@@ -56,6 +56,8 @@ static llama_kvp_sparse_state * llama_kvp_sparse_state_of(const llama_kvp_contex
 }
 
 static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
+static void llama_kvp_sparse_state_write(const llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out);
+static void llama_kvp_sparse_state_read (llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in);
 // the graph input of the graph built on this thread (made by its first sparse layer; graph_begin forgets it)
 class llama_kvp_sparse_input;
 static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
@@ -137,6 +139,14 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
         llama_kvp_sparse_alloc(st, ikv, n_ctx_seq);
     }
 
+    void state_write(const llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out) const override {
+        llama_kvp_sparse_state_write(st, ikv, out);
+    }
+
+    void state_read(llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in) const override {
+        llama_kvp_sparse_state_read(st, ikv, in);
+    }
+
     uint32_t n_graph_nodes(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
         // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment)
         return 100 + 24*((n_ubatch + p.segment - 1)/p.segment);
@@ -180,6 +190,50 @@ static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t 
     S->buf.reset(llama_kvp_layer_alloc(st, ikv, ctx, "sparse prefill state"));
     S->n_seg_max = (int32_t) n_seg;
     L.prefill_state = std::move(S);
+}
+
+// a saved state holds the tensors whole: the previous segment's entropy and budget and the Dynamic flags, which the
+// next prompt ubatch starts from, and the telemetry by segment
+static std::vector<ggml_tensor *> llama_kvp_sparse_tensors(const llama_kvp_sparse_state & S) {
+    return { S.state, S.budget, S.entropy, S.count };
+}
+
+static void llama_kvp_sparse_state_write(const llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out) {
+    const llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, ikv);
+    if (!S) {
+        return;
+    }
+    llama_kvp_sync(const_cast<llama_kvp_context *>(st));
+    const int32_t hdr[2] = { st->n_head, S->n_seg_max };
+    llama_kvp_state_put(out, hdr, sizeof(hdr));
+    for (ggml_tensor * t : llama_kvp_sparse_tensors(*S)) {
+        const size_t o = out.size();
+        out.resize(o + ggml_nbytes(t));
+        ggml_backend_tensor_get(t, out.data() + o, 0, ggml_nbytes(t));
+    }
+}
+
+static void llama_kvp_sparse_state_read(llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in) {
+    llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, ikv);
+    if (!S) {
+        return;
+    }
+    const char * what = "sparse prefill state";
+    int32_t hdr[2] = {};
+    size_t  off    = 0;
+    llama_kvp_state_get(in, off, hdr, sizeof(hdr), what);
+    if (hdr[0] != st->n_head || hdr[1] != S->n_seg_max) {
+        throw std::runtime_error("pykvcache: the sparse prefill state was saved for " + std::to_string(hdr[1]) +
+                " segments of " + std::to_string(hdr[0]) + " heads, this context has " + std::to_string(S->n_seg_max) +
+                " of " + std::to_string(st->n_head));
+    }
+    llama_kvp_sync(st);
+    std::vector<uint8_t> buf;
+    for (ggml_tensor * t : llama_kvp_sparse_tensors(*S)) {
+        buf.resize(ggml_nbytes(t));
+        llama_kvp_state_get(in, off, buf.data(), buf.size(), what);
+        ggml_backend_tensor_set(t, buf.data(), 0, buf.size());
+    }
 }
 
 //
