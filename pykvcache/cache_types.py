@@ -14,3 +14,15 @@ def cache_type_name(type_id: int) -> str:
 def is_quantized(type_id: int) -> bool:
     """Whether a KV cache type is quantized (llama.cpp then needs flash attention for V)."""
     return cache_type_name(type_id) not in ("f32", "f16", "bf16")
+
+
+def cache_type_id(value: "int | str") -> int:
+    """A KV cache type given by name (q8_0) or by ggml type id (8), as its id."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if text.lower() in CACHE_TYPES:
+        return CACHE_TYPES[text.lower()]
+    raise ValueError(f"unknown KV cache type {value!r}: give one of {', '.join(CACHE_TYPES)} or a ggml type id")

@@ -16,7 +16,7 @@ import threading
 from typing import Any, AsyncIterator, Dict, List, Literal, Optional
 
 from . import _native  # noqa: F401  (before llama_cpp: points it at the patched libllama)
-from .cache_types import CACHE_TYPES, cache_type_name, is_quantized
+from .cache_types import CACHE_TYPES, cache_type_id, cache_type_name, is_quantized
 from .llama import Llama, default_model_path
 from .policies import PolicyError, as_policy
 from .rpc import RPCError
@@ -66,6 +66,12 @@ class KVModelSettings(ModelSettings):
     @classmethod
     def _check_policy(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None or v.strip().lower() in ("", "none", "full") else as_policy(v).spec()
+
+    @field_validator("type_k", "type_v", mode="before")
+    @classmethod
+    def _cache_type_by_name(cls, v: Any) -> Any:
+        # llama.cpp's names (q8_0) beside llama-cpp-python's ggml type ids (8), on the command line and in config files
+        return v if v is None else cache_type_id(v)
 
     @model_validator(mode="after")
     def _check_cache_types(self) -> "KVModelSettings":
@@ -419,6 +425,13 @@ def check_listen_settings(server_settings: ServerSettings, port: str) -> None:
             raise ValueError(f"--{flag} {path}: no such file")
 
 
+def _cache_type_arg(text: str) -> int:
+    try:
+        return cache_type_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags of llama-cpp-python's server, `--kv-policy` and `--config_file`."""
     parser = argparse.ArgumentParser(
@@ -430,6 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:
         if action.dest == "model" and action.help:
             action.help = action.help.replace(" (default: PydanticUndefined)", "")  # a default_factory's placeholder
+        if action.dest in ("type_k", "type_v"):  # llama.cpp's names too, where llama-cpp-python takes ids alone
+            action.type = _cache_type_arg
+            action.metavar = "TYPE"
+            action.help = (f"KV cache type of the {'keys' if action.dest == 'type_k' else 'values'}: "
+                           f"{', '.join(CACHE_TYPES)} or a ggml type id (default: f16)")
     parser.add_argument("--kv-policy", dest="kv_policy", type=str, help=argparse.SUPPRESS)
     parser.add_argument("--config_file", type=str, help="a llama-cpp-python server config file (JSON or YAML); "
                         "each model may have a kv_policy key")

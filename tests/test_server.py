@@ -274,12 +274,34 @@ def test_a_folder_as_the_config_file_stops_the_server_with_one_line(tmp_path):
     # the Python keyword's hint (flash_attn=True) before, after the model had loaded
     (["--type_v", "8"], "type_v 8 (q8_0): a quantized V cache needs flash attention (--flash_attn true, "
                         "or flash_attn: true in a config file; llama.cpp's rule)"),
+    # llama.cpp's names as well as ggml ids ("invalid int value: 'q8_0'" before)
+    (["--type_v", "Q8_0"], "type_v 8 (q8_0): a quantized V cache needs flash attention"),
 ])
 def test_bad_server_flags_stop_it_with_one_line(args, says):
     """uvicorn's tracebacks before (an OverflowError for the port, a FileNotFoundError for the certificates)."""
     res = subprocess.run([sys.executable, "-m", "pykvcache.server", *args], cwd="/", capture_output=True, text=True,
                          timeout=120)
-    assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"pykvcache serve: error: {says}"]
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"pykvcache serve: error: {says}"), res.stderr
+
+
+def test_cache_types_by_name_on_the_command_line_and_in_a_config_file():
+    """The server took ggml type ids alone (--type_k 8), where llama.cpp's tools and pykvcache's other commands take
+    names (-ctk q8_0); its help listed neither."""
+    from pydantic import ValidationError
+
+    from pykvcache.server import KVModelSettings, build_parser, load_settings
+
+    args = build_parser().parse_args(["--type_k", "q8_0", "--type_v", "8", "--flash_attn", "true"])
+    model = load_settings(args)[1][0]
+    assert (model.type_k, model.type_v) == (8, 8)
+    assert KVModelSettings(type_k="q4_0", type_v="IQ4_NL", flash_attn=True).type_v == 20
+    with pytest.raises(ValidationError, match="unknown KV cache type 'q3_k': give one of f32, f16, bf16, q8_0"):
+        KVModelSettings(type_k="q3_k")
+    assert "q8_0" in next(a.help for a in build_parser()._actions if a.dest == "type_k")
+    res = subprocess.run([sys.executable, "-m", "pykvcache.server", "--type_k", "q3"], cwd="/", capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "argument --type_k: unknown KV cache type 'q3'" in res.stderr, res.stderr
 
 
 def test_a_config_files_second_model_with_a_quantized_v_and_no_flash_attention_stops_the_server(tmp_path, model_path):
