@@ -117,7 +117,7 @@ def _prefill_one(llm: Any, batch: Any, s: int, p: Sequence[int]) -> int:
     """Prompt p into sequence s as Llama.eval evaluates a prompt in a context of its own; returns its greedy token."""
     ffi, lib = native()
     nctx, ctx, n_batch = llm._native_ctx(), llm._ctx.ctx, llm.n_batch
-    if lib.llama_kvp_seq_select(nctx, s) != 0:
+    if llm.kv_policy.retains and lib.llama_kvp_seq_select(nctx, s) != 0:  # sparse alone: llama.cpp's cache, one sequence
         raise PolicyError(last_error())
     evicted0 = llm._n_evicted(nctx) if llm._latent_at_end else 0  # nctx: sequence s stays selected
     k = 0

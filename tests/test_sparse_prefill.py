@@ -197,6 +197,39 @@ def test_a_skip_past_the_models_layers_is_refused(model_path, spec):
     Llama(model_path, n_ctx=512, kv_policy=spec.split(":skip")[0] + ":skip=29,threshold=0", flash_attn=True, verbose=False)
 
 
+def test_the_threshold_counts_the_cells_in_use_not_llama_cpps_padded_length(model_path, prompt):
+    """llama.cpp pads a ubatch's n_kv to 256, and the threshold was checked against it: a 200-token prompt ran sparse
+    under threshold=256 (density 0.82, logits 9.7 from dense), an 1800-token one under the default 2048 (found by an
+    audit). Below the threshold the prompt now runs llama.cpp's own attention, to the bit."""
+    for n, spec in ((200, "none+sparse:threshold=256,base=64"), (1400, "none+sparse:threshold=1500,base=64")):
+        llm, got = last_logits(model_path, prompt[:n], spec)
+        ref, want = last_logits(model_path, prompt[:n], None, flash_attn=True)
+        assert llm.kv_sparse().total_density == 1.0 and (llm.kv_sparse().n_ubatch == 0).all(), n
+        np.testing.assert_array_equal(got, want)
+        llm.close()
+        ref.close()
+    llm, _ = last_logits(model_path, prompt[:300], "none+sparse:threshold=256,base=64")  # past it: sparse
+    assert llm.kv_sparse().total_density < 1.0
+    llm.close()
+
+
+def test_generate_batch_runs_sparse_prefill_on_llama_cpps_cache(model_path, prompt):
+    """It raised "this context has no retention policy" for none+sparse, one prompt (found by an audit)."""
+    spec = "none+sparse:threshold=256,base=64"
+    llm = Llama(model_path, n_ctx=1024, kv_policy=spec, verbose=False)
+    got = llm.generate_batch([prompt[:600]], 8)[0]
+    assert llm.kv_sparse().total_density < 1.0
+    fresh = Llama(model_path, n_ctx=1024, kv_policy=spec, verbose=False)
+    want = []
+    for t in fresh.generate(prompt[:600], top_k=1, temp=0.0):
+        want.append(t)
+        if len(want) == 8:
+            break
+    assert got == want
+    llm.close()
+    fresh.close()
+
+
 def test_full_cache_plus_sparse_in_python():
     pol = FullCache() + SparsePrefill(base=512)
     assert pol.spec().startswith("none+sparse:") and "base=512" in pol.spec()

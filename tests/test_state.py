@@ -92,6 +92,25 @@ def test_a_state_of_other_keys_or_more_positions_is_refused_with_its_reason(mode
     assert llm.n_tokens == n_tokens and np.array_equal(logits(llm), before)
 
 
+def test_a_sparse_state_under_other_keys_is_refused_with_its_reason(model_path):
+    """A none+sparse state loaded into none+sparse under another base, segment or block, whose carried budgets then
+    drove the other keys (logits 3-4 apart), and a segment count that did not fit got the generic reason; found by an
+    audit. Retention policies' states already held their spec."""
+    kw = dict(n_ctx=1024, n_threads=1, verbose=False, flash_attn=True)
+    saved = Llama(model_path, kv_policy="none+sparse:threshold=256,base=64", **kw)
+    saved.eval(saved.tokenize(essays_file().read_text()[:3000].encode())[:300])
+    state = saved.save_state()
+    for spec in ("none+sparse:threshold=256,base=128", "none+sparse:threshold=256,base=64,segment=64"):
+        llm = Llama(model_path, kv_policy=spec, **kw)
+        llm.eval(llm.tokenize(b"The capital of France is"))
+        n_tokens, before = llm.n_tokens, logits(llm)
+        with pytest.raises(RuntimeError, match=r"cannot be loaded here: this state was saved with the policy "
+                                               r"'none\+sparse:.*base=64,.*', this context has '.*; the context is "
+                                               r"unchanged"):
+            llm.load_state(state)
+        assert llm.n_tokens == n_tokens and np.array_equal(logits(llm), before)
+
+
 @pytest.mark.parametrize("spec", [None, "snapkv:budget=0.5"])
 def test_a_sample_right_after_a_load_is_the_saved_prompts_next_token(model_path, tmp_path, spec):
     """Found by an audit: sample() right after load_state read logits no decode had written: a wrong token on the
@@ -210,20 +229,27 @@ def test_an_interrupt_after_a_batchs_decode_leaves_no_stale_logits(model_path, p
 
 @pytest.mark.parametrize("spec", ["none+sparse:threshold=256,base=64", "entropy:budget=0.5+sparse:threshold=256,base=64"])
 def test_a_state_saved_inside_a_sparse_prompt_goes_on_as_the_saved_context(model_path, spec):
-    """Sparse prefill carries each head's last entropy, budget and Dynamic flag from one prompt ubatch to the next. A
-    state saved between two of them left those out, so the prompt's rest, in a new context that loaded it, gave other
-    logits (4.7 apart) and text; found by an audit (llama-cpp-python's prompt cache loads such states)."""
+    """Found by two audits. Sparse prefill carries each head's last entropy, budget and Dynamic flag from one prompt
+    ubatch to the next, and no state held them: the prompt's rest, in a context that loaded a state saved between two
+    ubatches, gave other logits (4.7 apart) and text (llama-cpp-python's prompt cache loads such states). Then under a
+    retention policy the block scores pooled the keys of free cells too, which hold an evicted token's key in the
+    running context and zeros in a loaded one (0.7-2.6 apart after 50 to 300 more tokens)."""
     def make() -> Llama:
         return Llama(model_path, n_ctx=4096, n_threads=2, verbose=False, kv_policy=spec, flash_attn=True)
 
-    toks = Llama.tokenize(make(), essays_file().read_text()[:8000].encode())[:1200]
+    toks = Llama.tokenize(make(), essays_file().read_text()[:8000].encode())[:1000]
     llm = make()
     llm.eval(toks[:700])
     state = llm.save_state()
-    llm.eval(toks[700:])
-    want = logits(llm)
-    assert llm.kv_sparse().total_density < 0.9  # sparse prefill ran
-    for loaded in (make(), llm):  # a new context, and the one that went on past the save
-        loaded.load_state(state)
-        loaded.eval(toks[700:])
-        np.testing.assert_array_equal(logits(loaded), want)
+    new = make()
+    for n in (50, 300):
+        fresh = make()  # never saved nor loaded
+        fresh.eval(toks[:700])
+        fresh.eval(toks[700:700 + n])
+        want = logits(fresh)
+        assert fresh.kv_sparse().total_density < 0.9  # sparse prefill ran
+        fresh.close()
+        for loaded in (new, llm):  # a new context, and the one it was saved from
+            loaded.load_state(state)
+            loaded.eval(toks[700:700 + n])
+            np.testing.assert_array_equal(logits(loaded), want)

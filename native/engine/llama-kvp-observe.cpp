@@ -1504,6 +1504,9 @@ void llama_kvp_context_state_write(const llama_kvp_context * st, const llama_mem
     const auto * prefill = llama_kvp_prefill_of(st->policy);
     const uint32_t hdr[2] = { LLAMA_KVP_PREFILL_STATE_MAGIC, (uint32_t) st->layers.size() };
     io.write(hdr, sizeof(hdr));
+    // the whole policy: a state decided under other keys (another base, segment, block) is refused
+    const std::string spec = llama_kvp_policy_str(st->policy);
+    llama_kvp_memory::state_write_blob(io, std::vector<uint8_t>(spec.begin(), spec.end()));
     std::vector<uint8_t> blob;
     for (size_t i = 0; i < st->layers.size(); ++i) {
         blob.clear();
@@ -1516,15 +1519,30 @@ void llama_kvp_context_state_read(llama_kvp_context * st, const llama_memory_i *
     if (!llama_kvp_prefill_state_saved(st, memory)) {
         return;
     }
-    const auto * prefill = llama_kvp_prefill_of(st->policy);
-    uint32_t hdr[2] = {};
-    io.read(hdr, sizeof(hdr));
-    if (hdr[0] != LLAMA_KVP_PREFILL_STATE_MAGIC || hdr[1] != (uint32_t) st->layers.size()) {
-        throw std::runtime_error("pykvcache: the state holds no sparse prefill state for this context's " +
-                std::to_string(st->layers.size()) + " layers (saved without the prefill stage?)");
-    }
-    for (size_t i = 0; i < st->layers.size(); ++i) {
-        prefill->state_read(st, (int32_t) i, llama_kvp_memory::state_read_blob(io, "prefill-stage data"));
+    try {
+        const auto * prefill = llama_kvp_prefill_of(st->policy);
+        uint32_t hdr[2] = {};
+        try {
+            io.read(hdr, sizeof(hdr));
+        } catch (const std::exception &) { // llama.cpp's cache ended the state: "unexpectedly reached end of buffer"
+            hdr[0] = 0;
+        }
+        if (hdr[0] != LLAMA_KVP_PREFILL_STATE_MAGIC || hdr[1] != (uint32_t) st->layers.size()) {
+            throw std::runtime_error("pykvcache: this state holds no sparse prefill state for this context's " +
+                    std::to_string(st->layers.size()) + " layers (saved by a context without +sparse?)");
+        }
+        const std::vector<uint8_t> saved = llama_kvp_memory::state_read_blob(io, "policy");
+        const std::string spec = llama_kvp_policy_str(st->policy);
+        if (std::string(saved.begin(), saved.end()) != spec) {
+            throw std::runtime_error("pykvcache: this state was saved with the policy '" +
+                    std::string(saved.begin(), saved.end()) + "', this context has '" + spec + "'");
+        }
+        for (size_t i = 0; i < st->layers.size(); ++i) {
+            prefill->state_read(st, (int32_t) i, llama_kvp_memory::state_read_blob(io, "prefill-stage data"));
+        }
+    } catch (const std::exception & e) {
+        llama_kvp_set_error(e.what()); // llama.cpp logs it and returns 0: the caller's error names it
+        throw;
     }
 }
 

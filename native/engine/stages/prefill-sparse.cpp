@@ -251,6 +251,9 @@ public:
     // the forced-block input of the cells of KV layer ikv (one per cache: shared by all layers of a unified cache)
     ggml_tensor * forced_for(ggml_context * ctx0, int32_t ikv, int64_t n_blk, int64_t n_seg);
 
+    // the in-use input of the first n_kv cells of KV layer ikv (one per cache, as above)
+    ggml_tensor * used_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv);
+
     llama_kvp_context * st;
     const int64_t n_tokens;
     int32_t n_seg_max = 1; // rows of the layers' telemetry (the sequence's segments)
@@ -265,6 +268,13 @@ public:
         ggml_tensor * t;   // F32 [n_blk, n_seg] BIG for blocks every head computes, else 0
     };
     std::vector<forced_set> forced;
+
+    struct used_set {
+        const llama_kv_cache * kv;
+        int64_t       n_kv;
+        ggml_tensor * t;   // F32 [1, n_kv] 1 for a cell in use, 0 for a free one
+    };
+    std::vector<used_set> used;
 
     // block visibility of a token mask (the layers of a cache share one mask)
     struct vis_set {
@@ -326,6 +336,19 @@ ggml_tensor * llama_kvp_sparse_input::forced_for(ggml_context * ctx0, int32_t ik
     return t;
 }
 
+ggml_tensor * llama_kvp_sparse_input::used_for(ggml_context * ctx0, int32_t ikv, int64_t n_kv) {
+    const llama_kv_cache * kv = st->layer_kv(ikv);
+    for (const auto & u : used) {
+        if (u.kv == kv && u.n_kv == n_kv) {
+            return u.t;
+        }
+    }
+    ggml_tensor * t = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_kv);
+    ggml_set_input(t);
+    used.push_back({ kv, n_kv, t });
+    return t;
+}
+
 void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
     const auto & p = st->policy;
     const int64_t seg   = p.segment;
@@ -381,6 +404,25 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
         }
         ggml_backend_tensor_set(f.t, buf.data(), 0, buf.size()*sizeof(float));
     }
+    for (const auto & u : used) {
+        buf.assign(u.n_kv, 0.0f);
+        const int64_t n_cells = std::min<int64_t>(u.n_kv, u.kv->get_size());
+        for (int64_t c = 0; c < n_cells; ++c) {
+            buf[c] = llama_kvp_kv_access::cell_pos(*u.kv, (uint32_t) c) >= 0 ? 1.0f : 0.0f;
+        }
+        ggml_backend_tensor_set(u.t, buf.data(), 0, buf.size()*sizeof(float));
+    }
+}
+
+// cells of KV layer ikv's cache in use among the first n_kv (the tokens a ubatch attends; llama.cpp pads n_kv)
+static int64_t llama_kvp_sparse_n_used(const llama_kvp_context * st, int32_t ikv, int64_t n_kv) {
+    const llama_kv_cache * kv = st->layer_kv(ikv);
+    const int64_t n_cells = std::min<int64_t>(n_kv, kv->get_size());
+    int64_t n_used = 0;
+    for (int64_t c = 0; c < n_cells; ++c) {
+        n_used += llama_kvp_kv_access::cell_pos(*kv, (uint32_t) c) >= 0;
+    }
+    return n_used;
 }
 
 //
@@ -434,8 +476,14 @@ static ggml_tensor * llama_kvp_sparse_graph_attn(
 
     const int64_t n_tokens = q->ne[2];
     const int64_t n_kv     = k->ne[2];
-    if (n_tokens < 2 || n_kv < p.threshold || il < p.skip || !S || n_kv % p.block != 0) {
-        return nullptr; // decode step, short context, an early layer or cells not in whole blocks: dense
+    if (n_tokens < 2 || il < p.skip || !S || n_kv % p.block != 0) {
+        return nullptr; // decode step, an early layer or cells not in whole blocks: dense
+    }
+    // the threshold is on the cells in use (the ubatch's own are placed before its graph is built), not on n_kv,
+    // which llama.cpp pads to 256; a graph reserved before any cell is in use is sized as the largest, by n_kv
+    const int64_t n_used = llama_kvp_sparse_n_used(st, ikv, n_kv);
+    if ((n_used > 0 ? n_used : n_kv) < p.threshold) {
+        return nullptr; // a short context: dense
     }
     if (!gctx.cparams.flash_attn || v->nb[1] > v->nb[2] || k->ne[3] != 1 || kq_mask == nullptr) {
         if (!st->sparse_warned) {
@@ -522,6 +570,9 @@ static ggml_tensor * llama_kvp_sparse_graph_attn(
     const bool on_cpu = llama_kvp_sparse_on_cpu(k);
     ggml_tensor * k2 = (on_cpu && k->type == GGML_TYPE_F16) || k->type == GGML_TYPE_F32 ? k : ggml_cast(ctx0, k, GGML_TYPE_F32);
     k2 = ggml_reshape_2d(ctx0, ggml_is_contiguous(k2) ? k2 : ggml_cont(ctx0, k2), d*n_hkv, n_kv);
+    // a free cell holds whatever it held last (an evicted token's key, a removed token's), which a fresh or loaded
+    // context holds as zeros: its key pools as zero, so that the block scores depend on the cells in use alone
+    k2 = ggml_mul(ctx0, k2, inp->used_for(ctx0, ikv, n_kv));
     ggml_tensor * k_pool = pool_pair(k2, blk, n_hkv);
 
     ggml_tensor * s = ggml_mul_mat(ctx0, k_pool, q_pool);                 // [n_blk, n_seg, n_head]
