@@ -33,7 +33,7 @@ struct perf_params {
     int64_t             n_head    = 9;
     int64_t             n_head_kv = 3;
     int64_t             D         = 64;
-    int64_t             block     = 64;
+    int64_t             block     = 32; // the sparse stage's default segment and block
     ggml_type           type      = GGML_TYPE_F16;
     std::vector<double> density   = { 0.1, 0.2, 0.3, 1.0 };
     int                 reps      = 5;
@@ -49,7 +49,7 @@ static void print_usage(const char * argv0) {
     printf("  --n-q N             queries of the ubatch (default 512)\n");
     printf("  --heads H/HKV       query heads / KV heads (default 9/3, SmolLM2-135M)\n");
     printf("  --head-size D       head size (default 64)\n");
-    printf("  --block B           query and key block (default 64)\n");
+    printf("  --block B           query and key block (default 32, the sparse stage's segment and block)\n");
     printf("  --type T            K/V type: f16, q8_0, q4_0, f32 (default f16)\n");
     printf("  --density D[,D..]   listed fraction of the visible blocks (default 0.1,0.2,0.3,1)\n");
     printf("  -r, --reps N        repetitions (default 5)\n");

@@ -32,6 +32,7 @@ from .stages import (
     WindowScore,
 )
 from .recovery import RecoveryEvent
+from .rpc import RPCError
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
 from .threads import ConcurrentUseError
@@ -72,6 +73,7 @@ __all__ = [
     "PolicyError",
     "NativeLibraryError",
     "ConcurrentUseError",
+    "RPCError",
     "parse_policy",
     "policy_help",
     "default_model_path",

@@ -267,3 +267,12 @@ def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
     assert lib.llama_kvp_sparse_telemetry(sparse._native_ctx(), ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, -1) == -1
     assert "n_seg must be >= 0" in last_error()
     sparse.close()
+
+
+def test_the_errors_the_readme_names_come_from_the_package():
+    """README says a Llama fails with an RPCError when its RPC server went away; it was only pykvcache.rpc's."""
+    import pykvcache
+    from pykvcache.rpc import RPCError
+
+    assert pykvcache.RPCError is RPCError and "RPCError" in pykvcache.__all__
+    assert {"PolicyError", "ConcurrentUseError", "NativeLibraryError"} <= set(pykvcache.__all__)
