@@ -1,6 +1,7 @@
 """Sparse prefill (prefill stage `sparse`) on the real model: close to dense attention, telemetry that adds up,
 composition with retention policies, dense fallback, and one-line errors for bad keys."""
 
+import json
 import warnings
 
 import numpy as np
@@ -228,6 +229,31 @@ def test_generate_batch_runs_sparse_prefill_on_llama_cpps_cache(model_path, prom
     assert got == want
     llm.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("spec", ["none+sparse:threshold=600,base=64", "snapkv:budget=1024+sparse:threshold=256,base=64"])
+def test_a_prompt_from_position_0_again_starts_from_a_fresh_state(model_path, prompt, spec):
+    """The carried entropies, budgets and Dynamic flags were reset only by a sparse ubatch at position 0: where the
+    first ubatch ran dense (below the threshold; every chunk of a retention policy), a context's next prompt started
+    from the previous prompt's state (logits 0.35-2.6 from a fresh context's, every stage), and the telemetry summed
+    the prompts (found by an audit)."""
+    llm, first = last_logits(model_path, prompt, spec)
+    density = llm.kv_sparse().total_density
+    assert density < 1.0
+    for p in (prompt[300:900], prompt):  # another prompt, then the first again
+        llm.reset()
+        llm.eval(p)
+    np.testing.assert_array_equal(np.array(llm._ctx.get_logits()[: llm.n_vocab()]), first)
+    assert llm.kv_sparse().total_density == density
+    llm.close()
+    # kvbench's density is the last repetition's prompt, as it says (it summed the repetitions)
+    from test_bench import kvbench
+
+    rows = [kvbench("-p", "1024", "-n", "1", "-r", r, "-t", "2", "--no-limit", "--policy", spec, "-o", "jsonl",
+                    model_path=model_path) for r in ("1", "2")]
+    assert all(p.returncode == 0 for p in rows), [p.stderr for p in rows]
+    densities = [json.loads(p.stdout.splitlines()[-1])["density"] for p in rows]
+    assert densities[0] == densities[1] < 1.0
 
 
 def test_full_cache_plus_sparse_in_python():

@@ -61,8 +61,13 @@ static void llama_kvp_sparse_state_read (llama_kvp_context * st, int32_t ikv, co
 // the graph input of the graph built on this thread (made by its first sparse layer; graph_begin forgets it)
 class llama_kvp_sparse_input;
 static thread_local llama_kvp_sparse_input * g_sp_inp = nullptr;
+// the graph's restart input (made by its first layer with a sparse state; graph_begin forgets it)
+class llama_kvp_sparse_restart;
+static thread_local llama_kvp_sparse_restart * g_sp_restart = nullptr;
 
 static ggml_tensor * llama_kvp_sparse_graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
+        ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
+static ggml_tensor * llama_kvp_sparse_graph_attn_layer(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
         ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
 
 struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
@@ -148,13 +153,15 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     }
 
     uint32_t n_graph_nodes(const llama_kvp_policy & p, uint32_t n_ubatch) const override {
-        // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment)
-        return 100 + 24*((n_ubatch + p.segment - 1)/p.segment);
+        // selection: ~80 nodes + ~20 per segment of a ubatch (the budget rule runs segment by segment); a dense
+        // layer's restart: 4
+        return 104 + 24*((n_ubatch + p.segment - 1)/p.segment);
     }
 
     void graph_begin(llama_kvp_context * st) const override {
         (void) st;
-        g_sp_inp = nullptr;
+        g_sp_inp     = nullptr;
+        g_sp_restart = nullptr;
     }
 
     ggml_tensor * graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q, ggml_tensor * k,
@@ -453,8 +460,66 @@ static std::string llama_kvp_sparse_unsupported(ggml_tensor * node, ggml_tensor 
     return "";
 }
 
-// block-sparse attention of a prompt ubatch where the layer qualifies; else nullptr (dense)
+//
+// restart: the state a sequence starts from
+//
+
+// A sequence that starts again at position 0 starts from a zero state, as in a new context. A sparse layer does so in
+// its graph (the `keep` input); a layer that runs dense in that ubatch (below the threshold, a retention policy's
+// chunk) zeroes the state and telemetry itself, so that a later sparse ubatch does not start from the previous
+// prompt's entropies, budgets and Dynamic flags. The graph of such a ubatch serves no other ubatch, and no graph serves
+// a ubatch that starts a sequence.
+class llama_kvp_sparse_restart : public llm_graph_input_i {
+public:
+    explicit llama_kvp_sparse_restart(bool at_start) : at_start(at_start) {}
+
+    void set_input(const llama_ubatch * ubatch) override { (void) ubatch; }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        return !at_start && !(params.ubatch.pos && params.ubatch.n_tokens > 0 && params.ubatch.pos[0] == 0);
+    }
+
+    const bool at_start;
+};
+
+static void llama_kvp_sparse_restart_layer(llama_kvp_context * st, const llm_graph_context & gctx, int il, bool dense) {
+    if (il < 0 || il >= (int) st->layer_of_il.size() || st->layer_of_il[il] < 0) {
+        return;
+    }
+    llama_kvp_sparse_state * S = llama_kvp_sparse_state_of(st, st->layer_of_il[il]);
+    if (!S) {
+        return;
+    }
+    if (!g_sp_restart) {
+        const bool at_start = gctx.ubatch.pos && gctx.ubatch.n_tokens > 0 && gctx.ubatch.pos[0] == 0;
+        g_sp_restart = (llama_kvp_sparse_restart *) gctx.res->add_input(std::make_unique<llama_kvp_sparse_restart>(at_start));
+    }
+    if (g_sp_restart->at_start && dense) {
+        for (ggml_tensor * t : llama_kvp_sparse_tensors(*S)) {
+            ggml_build_forward_expand(gctx.gf, ggml_fill_inplace(gctx.ctx0, t, 0.0f));
+        }
+    }
+}
+
 static ggml_tensor * llama_kvp_sparse_graph_attn(
+      llama_kvp_context * st,
+        const llm_graph_context & gctx,
+                    ggml_tensor * q,
+                    ggml_tensor * k,
+                    ggml_tensor * v,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * sinks,
+                          float   kq_scale,
+                            int   il) {
+    ggml_tensor * out = llama_kvp_sparse_graph_attn_layer(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il);
+    if (st && !gctx.cparams.training) {
+        llama_kvp_sparse_restart_layer(st, gctx, il, out == nullptr);
+    }
+    return out;
+}
+
+// block-sparse attention of a prompt ubatch where the layer qualifies; else nullptr (dense)
+static ggml_tensor * llama_kvp_sparse_graph_attn_layer(
       llama_kvp_context * st,
         const llm_graph_context & gctx,
                     ggml_tensor * q,
