@@ -32,7 +32,6 @@ from .stages import (
     WindowScore,
 )
 from .recovery import RecoveryEvent
-from .rpc import RPCError
 from .telemetry import (HostTelemetry, KVLayer, KVMemory, KVPerf, KVStats, KVTelemetry, LayerBudget, LayerStats,
                         SparseTelemetry, SummaryTelemetry)
 from .threads import ConcurrentUseError
@@ -89,3 +88,12 @@ __all__ = [
     "KVPerf",
     "LayerBudget",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """RPCError from pykvcache.rpc on first use (imported here, `python -m pykvcache.rpc` would warn that it ran twice)."""
+    if name == "RPCError":
+        from .rpc import RPCError
+
+        return RPCError
+    raise AttributeError(f"module 'pykvcache' has no attribute {name!r}")

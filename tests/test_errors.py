@@ -272,7 +272,8 @@ def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
 def test_the_errors_the_readme_names_come_from_the_package():
     """README says a Llama fails with an RPCError when its RPC server went away; it was only pykvcache.rpc's."""
     import pykvcache
-    from pykvcache.rpc import RPCError
+    from pykvcache import RPCError
+    from pykvcache.rpc import RPCError as rpc_error
 
-    assert pykvcache.RPCError is RPCError and "RPCError" in pykvcache.__all__
+    assert RPCError is rpc_error and "RPCError" in pykvcache.__all__
     assert {"PolicyError", "ConcurrentUseError", "NativeLibraryError"} <= set(pykvcache.__all__)

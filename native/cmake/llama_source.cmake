@@ -91,10 +91,13 @@ else()
 endif()
 
 # the patch series, in order
-file(GLOB _patches LIST_DIRECTORIES false CONFIGURE_DEPENDS "${PYKVCACHE_PATCH_DIR}/*.patch")
+file(GLOB _patches LIST_DIRECTORIES false "${PYKVCACHE_PATCH_DIR}/*.patch")
 list(SORT _patches)
-# a changed patch configures again (and so patches again) at the next build, as an added or removed one does
-set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${_patches})
+# a changed, added or removed patch (the folder's time) configures again, and so patches again, at the next build
+# (not in cmake -P script mode, which has no build)
+if (NOT CMAKE_SCRIPT_MODE_FILE)
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${PYKVCACHE_PATCH_DIR}" ${_patches})
+endif()
 
 set(_hash_input "")
 set(_touched "")
