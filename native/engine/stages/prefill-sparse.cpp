@@ -56,6 +56,11 @@ static llama_kvp_sparse_state * llama_kvp_sparse_state_of(const llama_kvp_contex
 }
 
 static void llama_kvp_sparse_alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx);
+
+// does the ubatch start its sequence (its first token at position 0): the state restarts from zeros
+static bool llama_kvp_sparse_starts(const llama_ubatch & ubatch) {
+    return ubatch.pos && ubatch.n_tokens > 0 && ubatch.pos[0] == 0;
+}
 static void llama_kvp_sparse_state_write(const llama_kvp_context * st, int32_t ikv, std::vector<uint8_t> & out);
 static void llama_kvp_sparse_state_read (llama_kvp_context * st, int32_t ikv, const std::vector<uint8_t> & in);
 // the graph input of the graph built on this thread (made by its first sparse layer; graph_begin forgets it)
@@ -67,8 +72,7 @@ static thread_local llama_kvp_sparse_restart * g_sp_restart = nullptr;
 
 static ggml_tensor * llama_kvp_sparse_graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
         ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
-static ggml_tensor * llama_kvp_sparse_graph_attn_layer(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q,
-        ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il);
+static void llama_kvp_sparse_restart_layer(llama_kvp_context * st, const llm_graph_context & gctx, int il, bool dense);
 
 struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
     llama_kvp_prefill_sparse() : llama_kvp_prefill_stage(LLAMA_KVP_PREFILL_SPARSE, LLAMA_KVP_SLOT_PREFILL, "sparse",
@@ -166,7 +170,11 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
 
     ggml_tensor * graph_attn(llama_kvp_context * st, const llm_graph_context & gctx, ggml_tensor * q, ggml_tensor * k,
                              ggml_tensor * v, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale, int il) const override {
-        return llama_kvp_sparse_graph_attn(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il);
+        ggml_tensor * out = llama_kvp_sparse_graph_attn(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il);
+        if (st && !gctx.cparams.training) {
+            llama_kvp_sparse_restart_layer(st, gctx, il, out == nullptr); // a dense layer at a sequence's start
+        }
+        return out;
     }
 };
 
@@ -372,7 +380,7 @@ void llama_kvp_sparse_input::set_input(const llama_ubatch * ubatch) {
     }
 
     if (keep) {
-        const float v = ubatch->pos[0] > 0 ? 1.0f : 0.0f;
+        const float v = llama_kvp_sparse_starts(*ubatch) ? 0.0f : 1.0f;
         ggml_backend_tensor_set(keep, &v, 0, sizeof(v));
     }
     if (out_seg) {
@@ -476,7 +484,7 @@ public:
     void set_input(const llama_ubatch * ubatch) override { (void) ubatch; }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return !at_start && !(params.ubatch.pos && params.ubatch.n_tokens > 0 && params.ubatch.pos[0] == 0);
+        return !at_start && !llama_kvp_sparse_starts(params.ubatch);
     }
 
     const bool at_start;
@@ -491,8 +499,8 @@ static void llama_kvp_sparse_restart_layer(llama_kvp_context * st, const llm_gra
         return;
     }
     if (!g_sp_restart) {
-        const bool at_start = gctx.ubatch.pos && gctx.ubatch.n_tokens > 0 && gctx.ubatch.pos[0] == 0;
-        g_sp_restart = (llama_kvp_sparse_restart *) gctx.res->add_input(std::make_unique<llama_kvp_sparse_restart>(at_start));
+        g_sp_restart = (llama_kvp_sparse_restart *) gctx.res->add_input(
+                std::make_unique<llama_kvp_sparse_restart>(llama_kvp_sparse_starts(gctx.ubatch)));
     }
     if (g_sp_restart->at_start && dense) {
         for (ggml_tensor * t : llama_kvp_sparse_tensors(*S)) {
@@ -501,25 +509,8 @@ static void llama_kvp_sparse_restart_layer(llama_kvp_context * st, const llm_gra
     }
 }
 
-static ggml_tensor * llama_kvp_sparse_graph_attn(
-      llama_kvp_context * st,
-        const llm_graph_context & gctx,
-                    ggml_tensor * q,
-                    ggml_tensor * k,
-                    ggml_tensor * v,
-                    ggml_tensor * kq_mask,
-                    ggml_tensor * sinks,
-                          float   kq_scale,
-                            int   il) {
-    ggml_tensor * out = llama_kvp_sparse_graph_attn_layer(st, gctx, q, k, v, kq_mask, sinks, kq_scale, il);
-    if (st && !gctx.cparams.training) {
-        llama_kvp_sparse_restart_layer(st, gctx, il, out == nullptr);
-    }
-    return out;
-}
-
 // block-sparse attention of a prompt ubatch where the layer qualifies; else nullptr (dense)
-static ggml_tensor * llama_kvp_sparse_graph_attn_layer(
+static ggml_tensor * llama_kvp_sparse_graph_attn(
       llama_kvp_context * st,
         const llm_graph_context & gctx,
                     ggml_tensor * q,
