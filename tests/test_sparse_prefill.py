@@ -173,6 +173,19 @@ def test_a_budget_whose_layers_never_reach_the_threshold_says_its_prompts_run_de
         Llama(model_path, n_ctx=4096, kv_policy="none+sparse", verbose=False).close()
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_a_block_larger_than_the_caches_padding_still_runs_sparse(model_path, prompt, block):
+    """Found by an audit: a layer's cache was a whole number of 32 cells (416 for snapkv:budget=256), and the op
+    attends to whole blocks, so with block=64 or 128 every layer ran dense, silently (density 1.0 everywhere)."""
+    llm = Llama(model_path, n_ctx=2048, kv_policy=f"snapkv:budget=256+sparse:block={block},threshold=256,base={block}",
+                verbose=False)
+    llm.eval(prompt)
+    assert all(s.n_cells % block == 0 for s in llm.kv_stats().layers)
+    sp = llm.kv_sparse()
+    assert (sp.n_ubatch[1:] > 0).all() and sp.total_density < 0.9
+    llm.close()
+
+
 @pytest.mark.parametrize("spec, key", [
     ("none+sparse:block=48", "block"),
     ("none+sparse:base=16", "base"),

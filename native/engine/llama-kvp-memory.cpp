@@ -272,6 +272,7 @@ llama_kvp_memory::llama_kvp_memory(
     stage_schedule = llama_kvp_schedule_of(policy);
     stage_prefill = llama_kvp_prefill_of(policy);
     GGML_ASSERT(stage_budget && stage_score && stage_fate && stage_prefill);
+    n_pad = std::max(n_pad, stage_prefill->cell_align(policy)); // e.g. sparse prefill's key blocks
 
     // a guided chunk and the prompt-end tokens behind it form one ubatch
     n_guide = stage_prefill->n_guide(policy, cparams.n_ubatch);

@@ -216,6 +216,9 @@ struct llama_kvp_prefill_stage : llama_kvp_stage {
     // tokens of the prompt's end run behind each chunk and removed after it (0: none)
     virtual uint32_t n_guide(const llama_kvp_policy & p, uint32_t n_ubatch) const { (void) p; (void) n_ubatch; return 0; }
 
+    // each layer's cache holds a whole number of this many cells (a power of two; 1: any number)
+    virtual uint32_t cell_align(const llama_kvp_policy & p) const { (void) p; return 1; }
+
     // does it compute the attention of prompt ubatches itself (then the context has a policy state even without
     // observation or retention, and the hooks below run)
     virtual bool computes_attention() const { return false; }

@@ -142,6 +142,9 @@ struct llama_kvp_prefill_sparse : llama_kvp_prefill_stage {
         return llama_kvp_prefill_n_guide(p, n_ubatch);
     }
 
+    // the op attends to whole key blocks: a layer whose cells are not a whole number of blocks would run dense
+    uint32_t cell_align(const llama_kvp_policy & p) const override { return (uint32_t) p.block; }
+
     bool computes_attention() const override { return true; }
 
     void alloc(llama_kvp_context * st, int32_t ikv, int32_t n_ctx_seq) const override {
