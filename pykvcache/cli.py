@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed, 0 to 4294967295; -1: a random one, as llama.cpp's (default: 0)")
 
     t = sub.add_parser("telemetry", help="observe attention over a prompt and summarise or plot it", allow_abbrev=False,
-                       description="Process a prompt with an observing policy and report attention entropy and mass.")
+                       description="Process a prompt with an observing policy and report attention entropy and mass "
+                                   "(and with +sparse, the key blocks sparse prefill computed).")
     _add_common(t, "observe")
     t.add_argument("--top", type=int, default=8, help="positions with the most attention mass to list (default: 8)")
 
@@ -313,6 +314,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if llm.kv_policy is not None and llm.kv_policy.summarises:
         print(llm.kv_summary().line(), file=sys.stderr)
+    if llm.kv_policy is not None and llm.kv_policy.sparse:
+        print(llm.kv_sparse().line(), file=sys.stderr)
     _write_telemetry(llm, args)
     return 0
 
@@ -325,14 +328,21 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
 
     check_run_args(args)
     pol = as_policy(args.policy)
-    if pol is None or not pol.observes:
-        raise ValueError("telemetry needs an observing policy, e.g. --policy observe:window=32")
+    if pol is None or not (pol.observes or pol.sparse):
+        raise ValueError("telemetry needs a policy that observes attention or prefills sparse, e.g. --policy "
+                         "observe:window=32 or --policy none+sparse")
     llm = _make_llama(args)
     tokens = llm.tokenize(args.prompt.encode("utf-8"))
     if len(tokens) > llm.n_ctx():
         raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context (-c {llm.n_ctx()})")
     llm.reset()
     llm.eval(tokens)
+    if not pol.observes:  # sparse prefill alone (none+sparse): its blocks, heads and budgets
+        print(f"policy {pol.spec()}: {len(tokens)} prompt tokens")
+        print(llm.kv_sparse().line())
+        print(_kv_line(llm))
+        _write_telemetry(llm, args)
+        return 0
     tel = llm.kv_telemetry()
     if tel.n_queries == 0:
         raise ValueError(f"the policy observed no queries over this prompt of {len(tokens)} token(s): give a longer one")
@@ -351,6 +361,8 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     print(_kv_line(llm))
     if tel.summary is not None:
         print(tel.summary.line())
+    if tel.sparse is not None:
+        print(tel.sparse.line())
     _write_telemetry(llm, args)
     return 0
 

@@ -175,6 +175,15 @@ class SparseTelemetry:
             "block": self.block,
         }
 
+    def line(self) -> str:
+        """One line: the key blocks computed, the layers that ran sparse and the Dynamic heads."""
+        n_sparse = int((self.n_ubatch > 0).sum())
+        if n_sparse == 0:
+            return "sparse prefill: every prompt ubatch ran dense (below the threshold, or too short)"
+        return (f"sparse prefill: key blocks computed {self.total_density:.3f} of dense attention's, in "
+                f"{int(self.n_ubatch.sum())} prompt ubatches of {n_sparse} of {len(self.layers)} layers (the others "
+                f"dense); Dynamic heads {int(self.dynamic.sum())} of {self.dynamic.size}")
+
     def plot_axes(self, ax_heads: Any, ax_budget: Any, ax_density: Any, fig: Any) -> None:
         """Draw Rigid/Dynamic heads, mean budget per layer x segment and density per layer on three axes."""
         ax_heads.imshow(self.dynamic.astype(float), aspect="auto", cmap="coolwarm", origin="lower", vmin=0, vmax=1)

@@ -105,6 +105,21 @@ def test_telemetry_and_generate_print_the_summarise_counters(tmp_path):
         assert re.search(r"summarise: [1-9]\d* bins fitted", out.stdout + out.stderr), (out.stdout, out.stderr)
 
 
+def test_telemetry_and_generate_print_sparse_prefills_blocks(tmp_path):
+    """Found by an audit: `telemetry --policy none+sparse` was refused, and with an observing policy +sparse neither
+    command said how many key blocks the prompt computed (only --json and --plot had it)."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"item {i} is {i * 7 % 13}." for i in range(120)))
+    for cmd, spec in ((["telemetry"], "none+sparse:threshold=256,base=64"),
+                      (["telemetry"], "snapkv:budget=256+sparse:threshold=256,base=64"),
+                      (["generate", "-n", "2"], "none+sparse:threshold=256,base=64")):
+        out = run(*cmd, "-f", str(text), "-c", "2048", "--policy", spec)
+        assert out.returncode == 0, out.stderr
+        m = re.search(r"sparse prefill: key blocks computed (0\.\d+) of dense attention's, in [1-9]\d* prompt ubatches",
+                      out.stdout + out.stderr)
+        assert m and float(m.group(1)) < 1.0, (cmd, spec, out.stdout, out.stderr)
+
+
 def test_bad_policy_spec_is_one_line_naming_the_key():
     out = run("generate", "-p", PROMPT, "--policy", "observe:windw=8")
     assert out.returncode == 2
@@ -147,7 +162,7 @@ def test_serve_help_names_the_policy_flag():
     (["demo", "-t", "0"], "-t/--threads must be in 1..512"),                     # taken as the default
     (["demo", "-f", "/bin/true"], "-f/--file /bin/true is not UTF-8 text"),      # a report on replacement marks
     (["generate", "-p", "hi", "--temp", "nan"], "--temp must be a number >= 0"),
-    (["telemetry", "-p", "hi", "--policy", "none"], "needs an observing policy"),
+    (["telemetry", "-p", "hi", "--policy", "none"], "needs a policy that observes attention or prefills sparse"),
     (["eval", "--budgets", ""], "no budget to evaluate"),
     (["eval", "--policies", "snapkv:budget=0.5"], "sets its own budget"),        # silently replaced the sweep
     (["eval", "--policies", "sink_recent,h2o", "--budgets", "0.1", "--kl-tokens", "512", "--stream", "256",

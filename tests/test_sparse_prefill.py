@@ -173,6 +173,17 @@ def test_a_budget_whose_layers_never_reach_the_threshold_says_its_prompts_run_de
         Llama(model_path, n_ctx=4096, kv_policy="none+sparse", verbose=False).close()
 
 
+def test_a_context_smaller_than_the_threshold_says_its_prompts_run_dense(model_path, prompt):
+    """Found by an audit: none+sparse at llama-cpp-python's default n_ctx=512, or 1024 or 2048, never ran sparse (the
+    cells in use never reach threshold=2048), silently, with density 1.0."""
+    with pytest.warns(UserWarning, match=r"kv_policy 'none' with \+sparse: this context holds at most n_ctx=1024 "
+                                         r"tokens, below sparse's threshold=2048, so every prompt runs dense"):
+        llm = Llama(model_path, n_ctx=1024, kv_policy="none+sparse", verbose=False)
+    llm.eval(prompt[:1000])
+    assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
+    llm.close()
+
+
 @pytest.mark.parametrize("block", [64, 128])
 def test_a_block_larger_than_the_caches_padding_still_runs_sparse(model_path, prompt, block):
     """Found by an audit: a layer's cache was a whole number of 32 cells (416 for snapkv:budget=256), and the op

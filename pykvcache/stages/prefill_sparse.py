@@ -58,9 +58,16 @@ class SparsePrefill(Stage):
 def never_sparse(llm: "Llama") -> Optional[str]:
     """Why a retention policy's sparse prefill can never run sparse in this context (None if it can)."""
     pol = llm.kv_policy
-    if pol is None or not pol.sparse or not pol.retains:
+    if pol is None or not pol.sparse:
         return None
     threshold = int(pol.to_native().threshold)
+    if not pol.retains:
+        # llama.cpp's own cache: a prompt's cells in use never exceed the context's (a sequence's) positions
+        n_ctx = llm._n_ctx
+        if n_ctx >= threshold:
+            return None
+        return (f"kv_policy 'none' with +sparse: this context holds at most n_ctx={n_ctx} tokens, below sparse's "
+                f"threshold={threshold}, so every prompt runs dense (give a larger n_ctx, or a lower threshold)")
     most = max((layer.capacity for layer in llm.kv_memory().layers), default=0)
     if most >= threshold:
         return None
