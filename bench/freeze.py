@@ -34,7 +34,7 @@ from pykvcache._native import native
 from pykvcache.checks import MAX_THREADS
 from pykvcache.cli import check_output_path
 from pykvcache.corpus import essays
-from pykvcache.evaluate import log_softmax, needle_cases, needle_text
+from pykvcache.evaluate import answer_in, log_softmax, needle_cases, needle_text
 from pykvcache.policies import PolicyError, parse_policy
 from pykvcache.recovery import ladder_of
 
@@ -146,7 +146,7 @@ def passkeys(model: Optional[str], spec: Optional[str], n_ctx: int, threads: int
         llm.reset()
         llm._ctx.kv_cache_seq_rm(-1, 0, -1)
         llm.eval(c["tokens"])
-        hits.append(c["answer"] in greedy_answer(llm, c["n_answer"]))
+        hits.append(answer_in(c["answer"], greedy_answer(llm, c["n_answer"])))
         active.append(active_tokens(llm) / (llm.n_tokens * len(llm.kv_stats().layers)))
     llm.close()
     return {"spec": spec or "none", "hits": hits, "n_hit": int(sum(hits)), "active_share": float(np.mean(active))}
@@ -182,7 +182,7 @@ def second_turn(model: Optional[str], spec: Optional[str], n_ctx: int, threads: 
         for _ in range(n_first):  # the first turn's answer
             llm.eval([int(np.argmax(logits(llm)))])
         llm.eval(c["question"])
-        hits.append(c["answer"] in greedy_answer(llm, 6))
+        hits.append(answer_in(c["answer"], greedy_answer(llm, 6)))
         if spec and "+host" in llm.kv_policy.spec():
             promoted.append(llm.kv_host().n_promote)
     llm.close()

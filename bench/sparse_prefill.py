@@ -23,7 +23,7 @@ from pykvcache import Llama
 from pykvcache.checks import MAX_THREADS
 from pykvcache.cli import check_output_path
 from pykvcache.corpus import essays
-from pykvcache.evaluate import compare_logprobs, log_softmax, needle_cases
+from pykvcache.evaluate import answer_in, compare_logprobs, log_softmax, needle_cases
 from pykvcache.policies import PolicyError, parse_policy
 
 N_FOLLOW = 32  # tokens teacher-forced after the prompt (decoded dense: only the prefill differs)
@@ -74,7 +74,7 @@ def needles(spec: Optional[str], cases: List[Dict[str, Any]], threads: int) -> L
             tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
             out.append(tok)
             llm.eval([tok])
-        hits.append(c["answer"] in llm.detokenize(out).decode("utf-8", errors="replace"))
+        hits.append(answer_in(c["answer"], llm.detokenize(out).decode("utf-8", errors="replace")))
         llm.close()
     return hits
 

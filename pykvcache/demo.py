@@ -39,7 +39,7 @@ def _answer(llm: Llama, tokens, n: int = 8) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its report."""
-    from .evaluate import needle_cases
+    from .evaluate import answer_in, needle_cases
     from .policies import as_policy
 
     policy = as_policy(args.policy)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"| KV cache | answer | correct | KV memory (peak) | time |")
     print(f"|---|---|---|---:|---:|")
     for r in rows:
-        ok = "yes" if case["answer"] in r["text"] else "no"
+        ok = "yes" if answer_in(case["answer"], r["text"]) else "no"
         print(f"| {r['name']} | {r['text'].strip()[:24]!r} | {ok} | {r['bytes_peak'] / 2**20:.1f} MiB | {r['seconds']:.1f} s |")
     print(f"\n{args.policy} ({policy.spec()}) held {p['bytes'] / f['bytes']:.0%} of the full cache's KV memory "
           f"(peak {p['bytes_peak'] / f['bytes_peak']:.0%}), evicted {p['n_evicted']} token-layers, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -388,6 +389,11 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
     return cases
 
 
+def answer_in(answer: str, text: str) -> bool:
+    """Whether `text` holds the needle's answer as a whole word or number (" 20781" does not answer 2078)."""
+    return re.search(r"(?<![^\W_])" + re.escape(answer) + r"(?![^\W_])", text) is not None
+
+
 def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:
     """Greedy answer of each case contains its value."""
     hits = []
@@ -395,7 +401,7 @@ def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:
         r.reset()
         r.prefill(c["tokens"])
         out = r.llm.detokenize(r.greedy(c["n_answer"])).decode("utf-8", errors="replace")
-        hits.append(c["answer"] in out)
+        hits.append(answer_in(c["answer"], out))
     return hits
 
 

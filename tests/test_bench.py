@@ -583,6 +583,15 @@ def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
         corpus.texts("poems")
 
 
+def test_a_needle_counts_only_as_a_whole_word_or_number():
+    """Found by an audit: a hit was a substring, so " 20781" answered 2078 and "Ana Lima" answered "Ana Li"."""
+    from pykvcache.evaluate import answer_in
+
+    assert answer_in("2078", " 2078.") and answer_in("2078", "is 2078") and answer_in("Ana Li", "It is Ana Li.")
+    assert answer_in("blue car", " a blue car,")
+    assert not answer_in("2078", " 20781") and not answer_in("2078", " 12078") and not answer_in("Ana Li", "Ana Lima")
+
+
 def test_varied_needles_vary_in_wording_value_and_length(model_path):
     llm = Llama(model_path, n_ctx=256, verbose=False)
     from pykvcache import corpus
