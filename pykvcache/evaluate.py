@@ -395,7 +395,7 @@ def answer_in(answer: str, text: str) -> bool:
 
 
 def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:
-    """Greedy answer of each case contains its value."""
+    """Whether the greedy answer of each case holds its value (answer_in)."""
     hits = []
     for c in cases:
         r.reset()

@@ -56,7 +56,7 @@ class SparsePrefill(Stage):
 
 
 def never_sparse(llm: "Llama") -> Optional[str]:
-    """Why a retention policy's sparse prefill can never run sparse in this context (None if it can)."""
+    """Why sparse prefill can never run sparse in this context (None if it can)."""
     pol = llm.kv_policy
     if pol is None or not pol.sparse:
         return None
