@@ -181,7 +181,7 @@ def check_parent_folder(p: Path, what: str) -> None:
 def read_text_file(path: str) -> str:
     """The UTF-8 text of a prompt file (-f/--file), or a ValueError that names the file and what is wrong."""
     try:
-        return Path(path).read_text(encoding="utf-8-sig")
+        return Path(path).read_bytes().decode("utf-8-sig")  # its line ends as they are, as llama.cpp's -f reads it
     except OSError as exc:
         raise ValueError(f"-f/--file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

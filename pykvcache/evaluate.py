@@ -156,7 +156,7 @@ class EvalConfig:
             if not f.is_file():
                 raise EvalError(f"text file not found: {self.text_file}")
             try:
-                f.read_text(encoding="utf-8-sig")
+                f.read_bytes().decode("utf-8-sig")
             except UnicodeDecodeError as exc:
                 raise EvalError(f"text file {self.text_file} is not UTF-8 text (byte {exc.start})") from exc
             except OSError as exc:
@@ -243,7 +243,7 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
         hay = "\n\n".join(texts[k:])
         what = f"the KL text ({cfg.corpus} 0-{k - 1})"
     else:
-        text = Path(cfg.text_file).read_text(encoding="utf-8-sig")  # checked to be UTF-8 by validate()
+        text = Path(cfg.text_file).read_bytes().decode("utf-8-sig")  # checked by validate(); line ends as they are
         every = llm.tokenize(text.encode())
         tokens = every[: cfg.kl_tokens]
         hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")
@@ -363,6 +363,26 @@ def needle_text(kind: str, i: int, n_tokens: int, rng: random.Random) -> Tuple[s
     return " " + fact.format(place=place, value=value), "\n\n" + question.format(place=place), value
 
 
+SENTENCE_ENDS = ("!", "?", ";", "\n", "\u3002", "\uff01", "\uff1f", "\uff1b")  # after ".": CJK full-width ones too
+
+
+def needle_at(llm: Llama, body: Sequence[int], depth: float) -> int:
+    """Where a needle goes in a haystack of tokens: after the first full stop at or past `depth`, else the first other
+    sentence end, within 5% of the haystack (64 tokens at least); where there is none, at `depth` itself (a text
+    without such punctuation put every needle just before the question)."""
+    k0 = int(depth * len(body))
+    if k0 == 0:
+        return 0
+    ends = [llm.detokenize([t]) for t in body[k0 - 1 : min(len(body), k0 + max(64, len(body) // 20)) - 1]]
+    for i, piece in enumerate(ends):
+        if piece.endswith(b"."):
+            return k0 + i
+    for i, piece in enumerate(ends):
+        if piece.decode("utf-8", errors="ignore").rstrip(" ").endswith(SENTENCE_ENDS):
+            return k0 + i
+    return k0
+
+
 def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[float], seed: int,
                  kind: str = "classic") -> List[Dict[str, Any]]:
     """Prompts of n_tokens tokens with a fact at each depth (after a sentence end), and their answers."""
@@ -380,9 +400,7 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
         if len(hay) < n_body:
             raise EvalError(f"the needle haystack has {len(hay)} tokens, too few for a {n_tokens}-token needle prompt")
         body = hay[:n_body]
-        k = int(depth * len(body))
-        while 0 < k < len(body) and not llm.detokenize([body[k - 1]]).endswith(b"."):
-            k += 1
+        k = needle_at(llm, body, depth)
         tokens = [llm.token_bos()] + body[:k] + needle + body[k:] + question
         n_answer = 6 if kind == "classic" else len(llm.tokenize((" " + answer).encode(), add_bos=False)) + 3
         cases.append({"length": n_tokens, "depth": depth, "answer": answer, "tokens": tokens, "n_answer": n_answer})
@@ -390,8 +408,9 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
 
 
 def answer_in(answer: str, text: str) -> bool:
-    """Whether `text` holds the needle's answer as a whole word or number (" 20781" does not answer 2078)."""
-    return re.search(r"(?<![^\W_])" + re.escape(answer) + r"(?![^\W_])", text) is not None
+    """Whether `text` holds the needle's answer as a whole word or number, in any case (" 20781" does not answer
+    2078, "Gentle Lantern" answers "gentle lantern")."""
+    return re.search(r"(?<![0-9A-Za-z])" + re.escape(answer) + r"(?![0-9A-Za-z])", text, re.IGNORECASE) is not None
 
 
 def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from pykvcache import cli
+from pykvcache import cli, corpus
 from pykvcache import Llama
 from pykvcache.evaluate import (EvalConfig, EvalError, agreement, compare_logprobs, evaluate, markdown, needle_cases,
                                 policy_spec, split_policies, write_outputs, x_full_bytes)
@@ -581,6 +581,22 @@ def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
     assert "numpy" in corpus.describe("numpy-docs") and "BSD" in corpus.describe("numpy-docs")
     with pytest.raises(ValueError, match="unknown corpus 'poems'"):
         corpus.texts("poems")
+
+
+def test_a_needle_lands_at_its_depth_in_a_text_without_full_stops(model_path):
+    """Found by an audit: the needle went after the next token ending in '.', so in a text without one (Chinese
+    sentences end in U+3002, records one per line) every depth put it just before the question, and a recent window
+    found every needle."""
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    texts = {"cjk": "".join(f"\u7b2c{i}\u6bb5\u6587\u5b57\u5185\u5bb9\u5728\u8fd9\u91cc\u3002" for i in range(600)),
+             "records": " ".join(f"record {i} value {i * 7 % 13}" for i in range(800)),
+             "essays": " ".join(corpus.essays()[20:30])}
+    for name, hay in texts.items():
+        for c in needle_cases(llm, hay, 1024, [0.1, 0.5, 0.9], seed=0):
+            text = llm.detokenize(c["tokens"]).decode("utf-8", errors="replace")
+            at = text.index(" The special magic number") / text.index("\n\nWhat is the special magic number")
+            assert abs(at - c["depth"]) < 0.08, (name, c["depth"], at)
+    llm.close()
 
 
 def test_a_needle_counts_only_as_a_whole_word_or_number():
