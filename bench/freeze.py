@@ -4,8 +4,8 @@
 then fed the same tokens one decode step at a time (teacher forcing, the work of a generation): active KV tokens and
 bytes (mean over the steps and at the end), host-tier bytes, wall time against the full cache, streamed next-token
 KL and top-1 against it, and the policy's own free greedy run (tokens equal to the full cache's).
-(b) Passkeys (needles in the essays) at `--needle-lengths`: the full cache, plain eviction at a 10% budget, and the
-freeze preset.
+(b) Passkeys (needles in the essays, or `-f`'s text) at `--needle-lengths`: the full cache, plain eviction at a 10%
+budget, and the freeze preset.
 (c) Needles whose question arrives in a second turn, after the document was compressed and a first answer generated
 (the compression cannot know the question): each `--turn-policies` policy alone, with `+host+latent:gap=1` (re-ranked
 at the question's first decode step), `+host+latent:gap=0` (re-ranked by the question itself, at its end) and
@@ -32,7 +32,7 @@ import numpy as np
 from pykvcache import Llama
 from pykvcache._native import native
 from pykvcache.checks import MAX_THREADS
-from pykvcache.cli import check_output_path
+from pykvcache.cli import check_output_path, read_text_file
 from pykvcache.corpus import essays
 from pykvcache.evaluate import answer_in, log_softmax, needle_cases, needle_text
 from pykvcache.policies import PolicyError, parse_policy
@@ -261,7 +261,7 @@ def markdown(res: Dict[str, Any]) -> str:
                        f"{r['kl_mean']:.4f} | {r['top1']:.3f} | {r.get('greedy_prefix', res['n_gen'])} |")
         out.append("")
     if res.get("passkey"):
-        out += ["(b) Passkeys (essays, 5 depths), 10% active budget for the retention policies; active share: the layers' "
+        out += [f"(b) Passkeys ({res.get('text', 'essays')}, 5 depths), 10% active budget for the retention policies; active share: the layers' "
                 "active tokens over all tokens after the answer.", "",
                 "| prompt | policy | found | active share |", "|---:|---|---:|---:|"]
         for r in res["passkey"]:
@@ -306,6 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="the bounded policy of (d): a budget, a host limit, the freeze")
     ap.add_argument("--long-every", type=int, default=1000, help="tokens between (d)'s samples")
     ap.add_argument("-r", "--reps", type=int, default=3, help="timed passes per policy, interleaved (median)")
+    ap.add_argument("-f", "--file", default=None, help="UTF-8 text of the needles' haystack in (b) and (c) (default: the "
+                                                       "essays)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("-o", "--output", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="PNG of the active tokens over (a)'s generation, one line per policy")
@@ -327,12 +329,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"needle and turn lengths must be >= 128 tokens (got {x})")
         if any(not 0.0 <= float(d) <= 1.0 for d in args.depths.split(",")):
             raise ValueError(f"--depths are in [0, 1] (got {args.depths})")
+        hay = read_text_file(args.file) if args.file else " ".join(essays())
     except (ValueError, PolicyError) as exc:
         ap.error(str(exc))
 
     res: Dict[str, Any] = {"command": "python bench/freeze.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-                           "cpu": cpu_name(), "threads": threads, "n_gen": args.n_gen, "open": [], "passkey": []}
-    hay = " ".join(essays())
+                           "cpu": cpu_name(), "threads": threads, "n_gen": args.n_gen, "text": args.file or "essays",
+                           "open": [], "passkey": []}
     depths = [float(x) for x in args.depths.split(",")]
     tok_llm = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
     prompt = tok_llm.tokenize(PROMPT.encode())

@@ -21,7 +21,7 @@ import numpy as np
 
 from pykvcache import Llama
 from pykvcache.checks import MAX_THREADS
-from pykvcache.cli import check_output_path
+from pykvcache.cli import check_output_path, read_text_file
 from pykvcache.corpus import essays
 from pykvcache.evaluate import answer_in, compare_logprobs, log_softmax, needle_cases
 from pykvcache.policies import PolicyError, parse_policy
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234, help="seed of the needles' values (default: 1234)")
     ap.add_argument("--needles", choices=("classic", "varied"), default="classic",
                     help="needle kind, as in `pykvcache eval` (default: classic)")
+    ap.add_argument("-f", "--file", default=None, help="UTF-8 text whose first tokens are the prompts and the needles' "
+                                                       "haystack (default: the essays)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("-o", "--output", default=None, help="JSON file for the results")
     args = ap.parse_args()
@@ -125,12 +127,17 @@ def main() -> None:
             raise ValueError(f"--depths are in [0, 1] (got {args.depths})")
         if not 1 <= args.threads <= MAX_THREADS:
             raise ValueError(f"-t must be 1 to {MAX_THREADS} (got {args.threads})")
+        text = read_text_file(args.file) if args.file else " ".join(essays())
     except (ValueError, PolicyError) as exc:
         ap.error(str(exc))
-    text = " ".join(essays())
     tok = make(None, 256, args.threads)
     all_tokens = tok.tokenize(text.encode())
+    longest = max([int(x) for x in args.lengths.split(",") if x], default=0) + N_FOLLOW
+    if len(all_tokens) < longest:
+        ap.error(f"-f/--file {args.file} has {len(all_tokens)} tokens: the longest prompt and the {N_FOLLOW} tokens "
+                 f"after it need {longest}")
     results: Dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "command": shlex.join(sys.argv[1:]),
+                               "text": args.file or "essays",
                                "date": time.strftime("%Y-%m-%d"), "rows": [], "needles": []}
     for n in [int(x) for x in args.lengths.split(",") if x]:
         tokens, follow = all_tokens[:n], all_tokens[n:n + N_FOLLOW]

@@ -663,6 +663,10 @@ def test_harness_on_the_second_corpus_with_varied_needles(model_path):
     ("chat_turns.py", ["-n", "1"], "at least 2 turns"),
     ("freeze.py", ["--needle-lengths", "20"], "must be >= 128 tokens"),
     ("sparse_prefill.py", ["--policies", "snapkv:budget=0.5"], "no sparse prefill stage"),
+    # they took no text of the user's (found by an audit): now -f, checked before the runs
+    ("freeze.py", ["-f", "/nonexistent-dir/t.txt"], "-f/--file /nonexistent-dir/t.txt: No such file"),
+    ("sparse_prefill.py", ["-f", "/nonexistent-dir/t.txt"], "-f/--file /nonexistent-dir/t.txt: No such file"),
+    ("sparse_prefill.py", ["-f", __file__, "--lengths", "100000"], "the longest prompt and the 32 tokens after it"),
 ])
 def test_bench_scripts_refuse_bad_settings_before_any_run(script, args, message):
     # one usage error line and exit status 2 before a model is loaded, not a traceback after minutes of work
