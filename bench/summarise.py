@@ -22,13 +22,14 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from pykvcache.cli import check_output_path
-from pykvcache.evaluate import (EvalConfig, Runner, compare_logprobs, eval_texts, needle_cases, needle_hits,
-                                policy_spec, split_policies, stream_logprobs)
+from pykvcache.evaluate import (NEEDLE_SETS, EvalConfig, Runner, compare_logprobs, eval_texts, load_needles, needle_cases,
+                                needle_hits, policy_spec, split_policies, stream_logprobs)
 from pykvcache.policies import PolicyError, parse_policy
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
@@ -117,7 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--needle-budget", type=float, default=None,
                     help="the budget at which needles run, one of --budgets (default: the smallest)")
     ap.add_argument("--needles", default="classic",
-                    help="needle sets, comma-separated: classic (a 4-digit magic number), varied (other facts and values)")
+                    help="needle sets, comma-separated: classic (a 4-digit magic number), varied (other facts and "
+                         "values), or a JSON file of your own as `pykvcache eval --needles` takes")
     ap.add_argument("--needle-seeds", default=str(EvalConfig.seed),
                     help="seeds of the needles' values (and the varied set's places), comma-separated: each gives a fact "
                          "per depth and length in the same haystack positions")
@@ -153,8 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError(f"--needle-budget {a.needle_budget:g} is not one of --budgets ({a.budgets}): the needles run "
                              f"at one of them")
         kinds = a.needles.split(",")
-        if any(k not in ("classic", "varied") for k in kinds) or len(set(kinds)) < len(kinds):
-            raise ValueError(f"--needles takes classic and/or varied, comma-separated, each once (got {a.needles!r})")
+        if any(k not in NEEDLE_SETS and not Path(k).is_file() for k in kinds) or len(set(kinds)) < len(kinds):
+            raise ValueError(f"--needles takes classic, varied and/or JSON needle files, comma-separated, each once "
+                             f"(got {a.needles!r})")
+        for k in kinds:
+            if k not in NEEDLE_SETS:
+                load_needles(k)  # one line naming the file and the entry that is wrong
         try:
             seeds = [int(x) for x in a.needle_seeds.split(",")]
         except ValueError:

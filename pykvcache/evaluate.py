@@ -84,7 +84,7 @@ class EvalConfig:
     model_path: Optional[str] = None
     text_file: Optional[str] = None  # the user's text for the KL text and the haystacks (default: the corpus)
     corpus: str = "essays"       # the registry corpus when there is no text_file (pykvcache.corpus.CORPORA)
-    needles: str = "classic"     # classic: "special magic number" with 4 digits; varied: NEEDLE_SETS's other wordings
+    needles: str = "classic"     # classic: "special magic number" with 4 digits; varied: other wordings; or a JSON file
     prefill: Optional[str] = None  # a prefill stage spec (e.g. "sparse:base=512") added to every policy but the full cache
     type_k: str = "f16"          # KV cache types of every row but the reference, the f16 full cache (-ctk / -ctv); then
     #                              every row runs flash attention, as a quantized V cache needs, the reference too
@@ -148,7 +148,10 @@ class EvalConfig:
         if self.corpus not in corpus.CORPORA:
             raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
         if self.needles not in NEEDLE_SETS:
-            raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)})")
+            if not Path(self.needles).is_file():
+                raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)}, or a JSON file "
+                                f"of your own)")
+            load_needles(self.needles)
         if self.text_file is not None:
             f = Path(self.text_file)
             if f.is_dir():
@@ -350,8 +353,33 @@ def compare_logprobs(ref: List[np.ndarray], got: List[np.ndarray]) -> Dict[str, 
             "top1": float(ag.mean()), "n_scored": int(kl.size)}
 
 
+def load_needles(path: str) -> List[Tuple[str, str, str]]:
+    """The needles of a JSON file: a list of {"fact", "question", "answer"} (the question ends where the answer starts;
+    the fact holds the answer), or an EvalError that names the file and what is wrong."""
+    try:
+        entries = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    except OSError as exc:
+        raise EvalError(f"needle file {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise EvalError(f"needle file {path} is not UTF-8 JSON: {exc}") from None
+    if not isinstance(entries, list) or not entries:
+        raise EvalError(f"needle file {path}: give a JSON list of {{\"fact\", \"question\", \"answer\"}} objects")
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not all(isinstance(e.get(k), str) and e[k].strip() for k in ("fact", "question", "answer")):
+            raise EvalError(f"needle file {path}: entry {i} needs non-empty strings \"fact\", \"question\" and \"answer\"")
+        if not answer_in(e["answer"], e["fact"]):
+            raise EvalError(f"needle file {path}: entry {i}'s fact does not hold its answer {e['answer']!r}")
+        out.append((" " + e["fact"].strip(), "\n\n" + e["question"].strip(), e["answer"].strip()))
+    return out
+
+
 def needle_text(kind: str, i: int, n_tokens: int, rng: random.Random) -> Tuple[str, str, str]:
-    """The fact, the question and the answer of needle i of a prompt of n_tokens tokens in a needle set."""
+    """The fact, the question and the answer of needle i of a prompt of n_tokens tokens in a needle set (or a needle
+    file's: its entries in turn)."""
+    if kind not in NEEDLE_SETS:
+        entries = load_needles(kind)
+        return entries[(i + n_tokens // 512) % len(entries)]
     if kind == "classic":
         city = CITIES[(i + n_tokens // 7) % len(CITIES)]
         num = rng.randint(1000, 9999)

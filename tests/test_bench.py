@@ -599,6 +599,37 @@ def test_a_needle_lands_at_its_depth_in_a_text_without_full_stops(model_path):
     llm.close()
 
 
+def test_own_needles_from_a_json_file(model_path, tmp_path):
+    """Reviewers bring needles of their own (found by an audit: only the two built-in sets could be measured)."""
+    import json as json_module
+
+    from pykvcache.evaluate import load_needles
+
+    f = tmp_path / "needles.json"
+    own = [{"fact": "The ferry to Vigo leaves at 7:40.", "question": "When does the ferry to Vigo leave? It leaves at",
+            "answer": "7:40"},
+           {"fact": "Marta's cat is called Pimienta.", "question": "What is Marta's cat called? It is called",
+            "answer": "Pimienta"}]
+    f.write_text(json_module.dumps(own), encoding="utf-8")
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    cases = needle_cases(llm, " ".join(corpus.essays()[20:24]), 512, [0.2, 0.8], seed=0, kind=str(f))
+    assert sorted(c["answer"] for c in cases) == ["7:40", "Pimienta"]  # each entry once, in turn
+    for c in cases:
+        e = next(e for e in own if e["answer"] == c["answer"])
+        text = llm.detokenize(c["tokens"]).decode("utf-8", errors="replace")
+        assert e["fact"] in text and text.endswith(e["question"])
+    llm.close()
+    EvalConfig(needles=str(f)).validate()
+    for bad, says in (("[]", "give a JSON list"), ("{", "is not UTF-8 JSON"),
+                      ('[{"fact": "x is 1.", "question": "x?"}]', "entry 0 needs non-empty strings"),
+                      ('[{"fact": "x is 1.", "question": "x is", "answer": "2"}]', "entry 0's fact does not hold its answer")):
+        f.write_text(bad, encoding="utf-8")
+        with pytest.raises(EvalError, match=says):
+            load_needles(str(f))
+    with pytest.raises(EvalError, match="unknown needle set 'odd' .*or a JSON file"):
+        EvalConfig(needles="odd").validate()
+
+
 def test_a_needle_counts_only_as_a_whole_word_or_number():
     """Found by an audit: a hit was a substring, so " 20781" answered 2078 and "Ana Lima" answered "Ana Li"."""
     from pykvcache.evaluate import answer_in
@@ -651,7 +682,7 @@ def test_harness_on_the_second_corpus_with_varied_needles(model_path):
 @pytest.mark.parametrize("script, args, message", [
     ("summarise.py", ["--policies", "sink_recent"], "summarise needs a score stage that observes"),
     ("summarise.py", ["--policies", "snapkv", "-o", "/nonexistent-dir/x.json"], "the folder /nonexistent-dir does not exist"),
-    ("summarise.py", ["--needles", "classic,odd"], "--needles takes classic and/or varied"),
+    ("summarise.py", ["--needles", "classic,odd"], "--needles takes classic, varied and/or JSON needle files"),
     ("summarise.py", ["--needles", "varied,varied"], "each once"),
     ("summarise.py", ["--needle-seeds", "1,x"], "--needle-seeds takes integers"),
     ("summarise.py", ["--needle-seeds", "7,7"], "--needle-seeds: each seed once"),
