@@ -630,6 +630,25 @@ def test_own_needles_from_a_json_file(model_path, tmp_path):
         EvalConfig(needles="odd").validate()
 
 
+def test_a_long_text_file_gives_the_tokens_of_its_whole(model_path, tmp_path):
+    """Found by an audit: eval tokenized a long -f file whole, several times (149 s for 8.4 MB, ~1k tokens used); it
+    is cut far past the tokens it uses now, which are those of the whole file."""
+    from pykvcache.evaluate import eval_texts
+
+    f = tmp_path / "long.txt"
+    text = "\n\n".join(corpus.essays()[:12])
+    f.write_text(text, encoding="utf-8")
+    cfg = EvalConfig(text_file=str(f), kl_tokens=512, stream=64, needle_lengths=[512])
+    llm = Llama(model_path, n_ctx=256, verbose=False)
+    tokens, hay = eval_texts(cfg, llm)
+    every = llm.tokenize(text.encode())
+    assert len(text) > 4 * (16*(512 + 512) + 4096)  # long enough to be cut
+    assert tokens == every[:512]
+    whole = llm.detokenize(every[512:]).decode("utf-8", errors="replace")
+    assert needle_cases(llm, hay, 512, [0.5, 0.9], seed=0) == needle_cases(llm, whole, 512, [0.5, 0.9], seed=0)
+    llm.close()
+
+
 def test_a_needle_counts_only_as_a_whole_word_or_number():
     """Found by an audit: a hit was a substring, so " 20781" answered 2078 and "Ana Lima" answered "Ana Li"."""
     from pykvcache.evaluate import answer_in
