@@ -181,7 +181,7 @@ def test_a_state_this_context_cannot_take_leaves_it_as_it_was(model_path):
 
 def test_sparse_prefill_says_what_runs_it_dense(model_path):
     with pytest.warns(UserWarning, match="flash_attn=False: sparse prefill runs in place of flash attention"):
-        Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse", flash_attn=False)
+        Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse:threshold=128", flash_attn=False)
     with pytest.raises(PolicyError, match=r"kv_policy .none\+sparse. works .* embedding=True gives the context one per batched input"):
         Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse", embedding=True)
     emb = Llama(model_path, n_ctx=256, verbose=False, kv_policy="snapkv:budget=64", embedding=True)
@@ -263,7 +263,7 @@ def test_the_c_api_says_what_is_wrong_with_its_arguments(model_path):
     two = Llama(model_path, n_ctx=256, n_seq_max=2, verbose=False)  # llama.cpp's own cache of two sequences
     assert lib.llama_kvp_memory_info(two._native_ctx(), info) == 0 and info.n_seq == 2  # it read 0
     two.close()
-    sparse = Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse")
+    sparse = Llama(model_path, n_ctx=256, verbose=False, kv_policy="none+sparse:threshold=128")
     assert lib.llama_kvp_sparse_telemetry(sparse._native_ctx(), ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, -1) == -1
     assert "n_seg must be >= 0" in last_error()
     sparse.close()

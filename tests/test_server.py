@@ -561,7 +561,7 @@ def test_kv_stats_before_the_first_request_are_json(model_path):
 
 @pytest.mark.parametrize("spec, block", [("snapkv:budget=48+host", "host"),
                                          ("snapkv:budget=48+summarise:bin=32,rank=4", "summarise"),
-                                         ("none+sparse", None), (None, None)])
+                                         ("none+sparse:threshold=256", None), (None, None)])
 def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block):
     """The stats route gives the host tier's or summarise's host memory (not in kv_bytes) and their counters, and the
     rule a new request follows."""
