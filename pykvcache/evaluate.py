@@ -442,10 +442,27 @@ def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[floa
     return cases
 
 
+def _joins(c: str) -> bool:
+    # a character that continues a word or number (letters and digits of scripts written with spaces; CJK and
+    # full-width characters end one, as those texts have no spaces)
+    return c.isalnum() and not ("\u3000" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" or "\uf900" <= c <= "\uffef")
+
+
 def answer_in(answer: str, text: str) -> bool:
-    """Whether `text` holds the needle's answer as a whole word or number, in any case (" 20781" does not answer
-    2078, "Gentle Lantern" answers "gentle lantern")."""
-    return re.search(r"(?<![0-9A-Za-z])" + re.escape(answer) + r"(?![0-9A-Za-z])", text, re.IGNORECASE) is not None
+    """Whether `text` holds the needle's answer as a whole word or number, in any case (" 20781", "2078.5" and
+    "Ivanov" do not answer 2078 or Ivan; "Gentle Lantern" answers "gentle lantern", "1311号" 1311)."""
+    a, t = answer.casefold(), text.casefold()
+    i = t.find(a)
+    while i >= 0 and a:
+        before, after = t[max(i - 2, 0) : i], t[i + len(a) : i + len(a) + 2]
+        open_start = not (_joins(a[0]) and before and (_joins(before[-1]) or (
+            len(before) == 2 and before[-1] in ".,:" and before[0].isdigit() and a[0].isdigit())))
+        open_end = not (_joins(a[-1]) and after and (_joins(after[0]) or (
+            len(after) == 2 and after[0] in ".,:" and after[1].isdigit() and a[-1].isdigit())))
+        if open_start and open_end:
+            return True
+        i = t.find(a, i + 1)
+    return False
 
 
 def needle_hits(r: Runner, cases: List[Dict[str, Any]]) -> List[bool]:

@@ -656,6 +656,11 @@ def test_a_needle_counts_only_as_a_whole_word_or_number():
     assert answer_in("2078", " 2078.") and answer_in("2078", "is 2078") and answer_in("Ana Li", "It is Ana Li.")
     assert answer_in("blue car", " a blue car,")
     assert not answer_in("2078", " 20781") and not answer_in("2078", " 12078") and not answer_in("Ana Li", "Ana Lima")
+    # in any case; CJK characters end a word; a number inside a decimal or a time is not it; Cyrillic words are words
+    assert answer_in("gentle lantern", '"Gentle Lantern"') and answer_in("1311", "1311\u53f7") and answer_in("7:40", "at 7:40.")
+    assert answer_in("$12.50", "It costs US$12.50.") and answer_in("2078", "2078, then")
+    assert not answer_in("12", "It costs 12.50.") and not answer_in("7", "at 7:40") and not answer_in("2078", "2078.5")
+    assert not answer_in("\u0418\u0432\u0430\u043d", "\u0418\u0432\u0430\u043d\u043e\u0432.")
 
 
 def test_varied_needles_vary_in_wording_value_and_length(model_path):
