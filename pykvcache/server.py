@@ -76,6 +76,10 @@ class KVModelSettings(ModelSettings):
     @model_validator(mode="after")
     def _check_cache_types(self) -> "KVModelSettings":
         # at startup, in the server's own words, for every model of a config file (not at a request that loads it)
+        if self.kv_policy is not None and as_policy(self.kv_policy).sparse and "flash_attn" not in self.model_fields_set:
+            # sparse prefill runs in place of flash attention: on unless asked off, as a Llama given no flash_attn
+            # (llama-cpp-python's server passes its default, False; found by an audit: prompts ran dense)
+            self.flash_attn = True
         if self.type_v in CACHE_TYPES.values() and is_quantized(self.type_v) and not self.flash_attn:
             raise ValueError(f"type_v {self.type_v} ({cache_type_name(self.type_v)}): a quantized V cache needs "
                              "flash attention (--flash_attn true, or flash_attn: true in a config file; llama.cpp's "

@@ -285,6 +285,19 @@ def test_bad_server_flags_stop_it_with_one_line(args, says):
     assert res.stderr.startswith(f"pykvcache serve: error: {says}"), res.stderr
 
 
+def test_a_sparse_policy_gets_flash_attention_unless_asked_off():
+    """Found by an audit: llama-cpp-python's server passes flash_attn=False by default, so `serve --kv_policy
+    none+sparse` ran every prompt dense (sparse prefill runs in place of flash attention), and the warning told a
+    server user to leave flash_attn out."""
+    from pykvcache.server import build_parser, load_settings
+
+    model = load_settings(build_parser().parse_args(["--kv_policy", "none+sparse"]))[1][0]
+    assert model.flash_attn is True
+    model = load_settings(build_parser().parse_args(["--kv_policy", "none+sparse", "--flash_attn", "false"]))[1][0]
+    assert model.flash_attn is False  # asked off: the Llama warns, naming --flash_attn true
+    assert load_settings(build_parser().parse_args(["--kv_policy", "snapkv"]))[1][0].flash_attn is False  # upstream's
+
+
 def test_cache_types_by_name_on_the_command_line_and_in_a_config_file():
     """The server took ggml type ids alone (--type_k 8), where llama.cpp's tools and pykvcache's other commands take
     names (-ctk q8_0); its help listed neither."""

@@ -156,32 +156,42 @@ def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
 
 
 def test_a_budget_whose_layers_never_reach_the_threshold_says_its_prompts_run_dense(model_path, prompt):
-    """Found by an audit: entropy:budget=0.25+sparse ran every prompt dense (a layer holds the budget and a chunk,
-    1184 cells at n_ctx 4096, below threshold=2048), silently, with density 1.0 in every telemetry."""
-    with pytest.warns(UserWarning, match=r"kv_policy 'entropy' with \+sparse: its layers hold at most 1184 cells .*"
+    """Found by an audit: entropy:budget=0.25+sparse ran its prompts dense, silently, with density 1.0 in every
+    telemetry. A uniform budget's layers hold the budget, a chunk and the window (snapkv:budget=0.25: 1184 cells at
+    n_ctx 4096, below threshold=2048). Entropy's layers grow to max_layer (twice the mean) as a prompt comes: a later
+    audit saw entropy:budget=0.4+sparse warn at 1824 cells, then run sparse in layers of 2080-3040 cells."""
+    with pytest.warns(UserWarning, match=r"kv_policy 'snapkv' with \+sparse: its layers hold at most 1184 cells .*"
                                          r"below sparse's threshold=2048, so every prompt runs dense"):
-        llm = Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.25+sparse", verbose=False)
+        llm = Llama(model_path, n_ctx=4096, kv_policy="snapkv:budget=0.25+sparse", verbose=False)
     llm.eval(prompt[:800])
     assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
     llm.close()
-    with warnings.catch_warnings():  # a threshold the layers reach, or no budget: no warning, and it runs sparse
+    with pytest.warns(UserWarning, match=r"kv_policy 'entropy' with \+sparse: its layers hold at most 985 cells .*"
+                                         r"\(the largest layer budget, a prompt chunk and the window\)"):
+        Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.1+sparse", verbose=False).close()  # 2*409.6 + 166
+    with warnings.catch_warnings():  # layers that may reach the threshold, or no budget: no warning
         warnings.simplefilter("error")
         llm = Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.25+sparse:threshold=512", verbose=False)
         llm.eval(prompt)
         assert llm.kv_sparse().n_ubatch.sum() > 0
         llm.close()
+        Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.4+sparse", verbose=False).close()
         Llama(model_path, n_ctx=4096, kv_policy="none+sparse", verbose=False).close()
 
 
 def test_a_context_smaller_than_the_threshold_says_its_prompts_run_dense(model_path, prompt):
     """Found by an audit: none+sparse at llama-cpp-python's default n_ctx=512, or 1024 or 2048, never ran sparse (the
-    cells in use never reach threshold=2048), silently, with density 1.0."""
+    cells in use never reach threshold=2048), silently, with density 1.0. At n_ctx 2048 only a prompt of all 2048
+    tokens reaches it: a completion's prompt leaves a position free for its answer."""
     with pytest.warns(UserWarning, match=r"kv_policy 'none' with \+sparse: this context holds at most n_ctx=1024 "
-                                         r"tokens, below sparse's threshold=2048, so every prompt runs dense"):
+                                         r"tokens, below sparse's threshold=2048, so its prompts run dense"):
         llm = Llama(model_path, n_ctx=1024, kv_policy="none+sparse", verbose=False)
     llm.eval(prompt[:1000])
     assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
     llm.close()
+    with pytest.warns(UserWarning, match=r"at most n_ctx=2048 tokens, only a prompt of all 2048 reaches sparse's "
+                                         r"threshold=2048"):
+        Llama(model_path, n_ctx=2048, kv_policy="none+sparse", verbose=False).close()
 
 
 @pytest.mark.parametrize("block", [64, 128])

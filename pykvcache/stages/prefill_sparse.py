@@ -61,21 +61,34 @@ def never_sparse(llm: "Llama") -> Optional[str]:
     if pol is None or not pol.sparse:
         return None
     threshold = int(pol.to_native().threshold)
+    n_ctx = llm._n_ctx  # a sequence's positions: no prompt has more cells in use
     if not pol.retains:
-        # llama.cpp's own cache: a prompt's cells in use never exceed the context's (a sequence's) positions
-        n_ctx = llm._n_ctx
-        if n_ctx >= threshold:
+        # llama.cpp's own cache: a prompt's cells in use are its tokens; a completion's prompt leaves a position free
+        if n_ctx > threshold:
             return None
-        return (f"kv_policy 'none' with +sparse: this context holds at most n_ctx={n_ctx} tokens, below sparse's "
-                f"threshold={threshold}, so every prompt runs dense (give a larger n_ctx, or a lower threshold)")
-    most = max((layer.capacity for layer in llm.kv_memory().layers), default=0)
+        reach = (f"below sparse's threshold={threshold}" if n_ctx < threshold else
+                 f"only a prompt of all {n_ctx} reaches sparse's threshold={threshold} (a completion's leaves room for "
+                 f"its answer)")
+        return (f"kv_policy 'none' with +sparse: this context holds at most n_ctx={n_ctx} tokens, {reach}, so its "
+                f"prompts run dense (give a larger n_ctx, or a lower threshold)")
+    # under a retention policy a prompt runs in chunks over its layers' cells: the budget, a prompt chunk and the
+    # window; entropy's layer budgets move within [min_layer, max_layer] (max_layer 0: twice the mean) as prompts come
+    layers = llm.kv_memory().layers
+    head = max((layer.capacity - layer.budget for layer in layers), default=0)
+    top = max((layer.budget for layer in layers), default=0)
+    what = "the budget, a prompt chunk and the window"
+    if pol.describe()["stages"].get("budget") == "entropy":
+        n = pol.to_native()
+        mean = n.budget if n.budget >= 1.0 else n.budget * n_ctx  # a fraction is of the prompt, at most n_ctx
+        top = max(top, n.max_layer if n.max_layer > 0 else 2 * mean)
+        what = "the largest layer budget, a prompt chunk and the window"
+    most = int(min(top + head, n_ctx))
     if most >= threshold:
         return None
-    # under a retention policy a prompt runs in chunks over the budget's cells: a layer never holds more than `most`
     name = pol.describe()["preset"]
-    return (f"kv_policy {name!r} with +sparse: its layers hold at most {most} cells in this context (the budget, a "
-            f"prompt chunk and the window), below sparse's threshold={threshold}, so every prompt runs dense "
-            f"(sparse prefill pays over long attention spans, as none+sparse has)")
+    return (f"kv_policy {name!r} with +sparse: its layers hold at most {most} cells in this context ({what}), below "
+            f"sparse's threshold={threshold}, so every prompt runs dense (sparse prefill pays over long attention "
+            f"spans, as none+sparse has)")
 
 
 def read_telemetry(llm: "Llama") -> SparseTelemetry:
