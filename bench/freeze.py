@@ -339,7 +339,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     tok_llm = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
     prompt = tok_llm.tokenize(PROMPT.encode())
+    longest = max([int(x) for x in (args.needle_lengths + "," + args.turn_lengths).split(",") if x.strip()], default=0)
+    n_hay = len(tok_llm.tokenize(" ".join(hay.split()).encode(), add_bos=False))  # as needle_cases reads it
     tok_llm.close()
+    if n_hay < longest:  # before (a), which takes minutes
+        ap.error(f"-f/--file {args.file} has {n_hay} tokens with whitespace collapsed: the longest needle prompt needs "
+                 f"{longest}")
     n_ctx = len(prompt) + args.n_gen + 64
     if not args.skip_open:
         print(f"(a) open generation: {len(prompt)}-token prompt, {args.n_gen} tokens, {res['cpu']}, {threads} threads",

@@ -246,7 +246,7 @@ def varied_needles(res: Dict[str, Any]) -> str:
 texts up to {cfg['kl_tokens']} tokens, the rest the needle haystack. Needles ({cfg.get('needles')}): six wordings
 whose values are 4-7 digit numbers, first and last names or two-word phrases, at depths
 {', '.join(f'{d:g}' for d in cfg['depths'])} of {', '.join(str(n) for n in cfg['needle_lengths'])}-token prompts;
-hit if the greedy answer contains the value."""
+hit if the greedy answer holds the value as a whole word or number (any case)."""
 
 
 def cache_types(res: Dict[str, Any]) -> str:

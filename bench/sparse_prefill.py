@@ -136,6 +136,11 @@ def main() -> None:
     if len(all_tokens) < longest:
         ap.error(f"-f/--file {args.file} has {len(all_tokens)} tokens: the longest prompt and the {N_FOLLOW} tokens "
                  f"after it need {longest}")
+    longest = max([int(x) for x in args.needle_lengths.split(",") if x], default=0)
+    n_hay = len(tok.tokenize(" ".join(text.split()).encode(), add_bos=False))  # as needle_cases reads it
+    if n_hay < longest:
+        ap.error(f"-f/--file {args.file} has {n_hay} tokens with whitespace collapsed: the longest needle prompt needs "
+                 f"{longest}")
     results: Dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "command": shlex.join(sys.argv[1:]),
                                "text": args.file or "essays",
                                "date": time.strftime("%Y-%m-%d"), "rows": [], "needles": []}

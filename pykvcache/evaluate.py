@@ -375,6 +375,10 @@ def load_needles(path: str) -> List[Tuple[str, str, str]]:
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or not all(isinstance(e.get(k), str) and e[k].strip() for k in ("fact", "question", "answer")):
             raise EvalError(f"needle file {path}: entry {i} needs non-empty strings \"fact\", \"question\" and \"answer\"")
+        try:
+            "".join(e[k] for k in ("fact", "question", "answer")).encode("utf-8")
+        except UnicodeEncodeError:
+            raise EvalError(f"needle file {path}: entry {i} holds a character that is not UTF-8 (a lone surrogate)") from None
         if not answer_in(e["answer"], e["fact"]):
             raise EvalError(f"needle file {path}: entry {i}'s fact does not hold its answer {e['answer']!r}")
         out.append((" " + e["fact"].strip(), "\n\n" + e["question"].strip(), e["answer"].strip()))
@@ -403,18 +407,24 @@ SENTENCE_ENDS = ("!", "?", ";", "\n", "\u3002", "\uff01", "\uff1f", "\uff1b")  #
 
 def needle_at(llm: Llama, body: Sequence[int], depth: float) -> int:
     """Where a needle goes in a haystack of tokens: after the first full stop at or past `depth`, else the first other
-    sentence end, within 5% of the haystack (64 tokens at least); where there is none, at `depth` itself (a text
-    without such punctuation put every needle just before the question)."""
+    sentence end, within 5% of the haystack (64 tokens at least); where there is none, before the next word, else at
+    `depth` itself (a text without such punctuation put every needle just before the question)."""
     k0 = int(depth * len(body))
     if k0 == 0:
         return 0
-    ends = [llm.detokenize([t]) for t in body[k0 - 1 : min(len(body), k0 + max(64, len(body) // 20)) - 1]]
-    for i, piece in enumerate(ends):
-        if piece.endswith(b"."):
-            return k0 + i
-    for i, piece in enumerate(ends):
-        if piece.decode("utf-8", errors="ignore").rstrip(" ").endswith(SENTENCE_ENDS):
-            return k0 + i
+    reach = min(len(body), k0 + max(64, len(body) // 20))
+    piece = {j: llm.detokenize([body[j]]) for j in range(max(k0 - 2, 0), min(reach + 1, len(body)))}
+    for k in range(k0, reach):  # k: the needle goes before body[k], after body[k - 1]
+        p = piece[k - 1]
+        before = p[-2:-1] or piece.get(k - 2, b"")[-1:]
+        if p.endswith(b".") and not (before.isdigit() and piece.get(k, b"")[:1].isdigit()):  # not "3.|14"
+            return k
+    for k in range(k0, reach):
+        if piece[k - 1].decode("utf-8", errors="ignore").rstrip(" ").endswith(SENTENCE_ENDS):
+            return k
+    for k in range(k0, reach):  # no sentence end: before the next word, not inside one
+        if piece.get(k, b" ")[:1].isspace():
+            return k
     return k0
 
 

@@ -179,7 +179,8 @@ class SparseTelemetry:
         """One line: the key blocks computed, the layers that ran sparse and the Dynamic heads."""
         n_sparse = int((self.n_ubatch > 0).sum())
         if n_sparse == 0:
-            return "sparse prefill: every prompt ubatch ran dense (below the threshold, or too short)"
+            return ("sparse prefill: every prompt ubatch ran dense (below the threshold, too short, or without flash "
+                    "attention)")
         heads = self.dynamic[self.n_ubatch > 0]
         return (f"sparse prefill: key blocks computed {self.total_density:.3f} of dense attention's, in "
                 f"{int(self.n_ubatch.sum())} prompt ubatches of {n_sparse} of {len(self.layers)} layers (the others "

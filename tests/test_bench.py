@@ -586,16 +586,21 @@ def test_numpy_docs_corpus_is_long_documentation_in_a_stable_order():
 def test_a_needle_lands_at_its_depth_in_a_text_without_full_stops(model_path):
     """Found by an audit: the needle went after the next token ending in '.', so in a text without one (Chinese
     sentences end in U+3002, records one per line) every depth put it just before the question, and a recent window
-    found every needle."""
+    found every needle; and a decimal point was a sentence end ("version 1.| fact |7.0")."""
     llm = Llama(model_path, n_ctx=256, verbose=False)
     texts = {"cjk": "".join(f"\u7b2c{i}\u6bb5\u6587\u5b57\u5185\u5bb9\u5728\u8fd9\u91cc\u3002" for i in range(600)),
              "records": " ".join(f"record {i} value {i * 7 % 13}" for i in range(800)),
-             "essays": " ".join(corpus.essays()[20:30])}
+             "essays": " ".join(corpus.essays()[20:30]),
+             "decimals": " ".join(f"Version 1.{i}.0 costs 3.{i}5 units" for i in range(900))}
     for name, hay in texts.items():
         for c in needle_cases(llm, hay, 1024, [0.1, 0.5, 0.9], seed=0):
             text = llm.detokenize(c["tokens"]).decode("utf-8", errors="replace")
-            at = text.index(" The special magic number") / text.index("\n\nWhat is the special magic number")
+            i = text.index(" The special magic number")
+            at = i / text.index("\n\nWhat is the special magic number")
             assert abs(at - c["depth"]) < 0.08, (name, c["depth"], at)
+            after = text[text.index(".", i) + 1 :]
+            assert not (text[i - 2].isdigit() and text[i - 1] == "." and after[:1].isdigit()), (name, text[i - 20 : i + 80])
+            assert name not in ("decimals", "records") or after[:1].isspace(), (name, text[i - 20 : i + 80])  # a word's end
     llm.close()
 
 
