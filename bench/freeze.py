@@ -261,8 +261,8 @@ def markdown(res: Dict[str, Any]) -> str:
                        f"{r['kl_mean']:.4f} | {r['top1']:.3f} | {r.get('greedy_prefix', res['n_gen'])} |")
         out.append("")
     if res.get("passkey"):
-        out += [f"(b) Passkeys ({res.get('text', 'essays')}, 5 depths), 10% active budget for the retention policies; active share: the layers' "
-                "active tokens over all tokens after the answer.", "",
+        out += [f"(b) Passkeys ({res.get('text', 'essays')}, 5 depths), 10% active budget for the retention policies; "
+                "active share: the layers' active tokens over all tokens after the answer.", "",
                 "| prompt | policy | found | active share |", "|---:|---|---:|---:|"]
         for r in res["passkey"]:
             out.append(f"| {r['length']} | `{r['spec']}` | {r['n_hit']}/{len(r['hits'])} | {r['active_share']:.2f} |")
