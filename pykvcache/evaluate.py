@@ -148,6 +148,8 @@ class EvalConfig:
         if self.corpus not in corpus.CORPORA:
             raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
         if self.needles not in NEEDLE_SETS:
+            if self.needles.lower().endswith(".json") or "/" in self.needles:
+                load_needles(self.needles)  # not found, a folder: one line naming the file
             if not Path(self.needles).is_file():
                 raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)}, or a JSON file "
                                 f"of your own)")

@@ -111,8 +111,8 @@ class Llama(llama_cpp.Llama):
             kwargs["flash_attn"] = True  # block-sparse prefill replaces flash attention (llama.cpp's default: auto)
         if policy is not None and policy.sparse and kwargs.get("flash_attn", True) is False:
             warnings.warn("a +sparse kv_policy with flash_attn=False: sparse prefill runs in place of flash attention, "
-                          "so prompts run dense (leave flash_attn out, or give flash_attn=True; `pykvcache serve "
-                          "--flash_attn true`)", stacklevel=2)
+                          "so prompts run dense (leave flash_attn out or give flash_attn=True: `-fa on` for "
+                          "pykvcache's commands, `--flash_attn true` for serve)", stacklevel=2)
         for key in ("type_k", "type_v"):  # llama.cpp aborts on an id past ggml's types, and gives no reason for others
             t = kwargs.get(key)
             if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral)

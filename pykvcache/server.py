@@ -48,7 +48,8 @@ class KVModelSettings(ModelSettings):
                                      "--kv-policy); `pykvcache policies` lists them. A budget in tokens keeps every "
                                      "request's cache the same size; a fraction is of each request's prompt (with "
                                      "--kv_reuse continue, of the prompt that filled the cache first: the cache is "
-                                     "not emptied between requests, so give long chats a budget in tokens).")
+                                     "not emptied between requests, so give long chats a budget in tokens). A "
+                                     "+sparse policy turns flash attention on unless --flash_attn is given.")
 
     kv_reuse: Literal["exact", "continue"] = Field(default="exact", description="What a new request keeps of a "
                                                    "cache the policy pruned: 'exact' (the result of a fresh evaluation; "
@@ -149,6 +150,8 @@ def kv_stats_of(llama: Llama) -> Dict[str, Any]:
             row["budget"] = b.budget
             row["entropy"] = b.entropy
             row["n_evicted"] = b.n_evicted
+    elif pol is not None and pol.sparse:
+        res.update(stage_server_stats(llama))  # sparse prefill on llama.cpp's cache: its blocks (found by an audit)
     if pol is not None and pol.observes:
         tel = llama.kv_telemetry()
         ent = tel.entropy  # no head has an entropy before the first observation: null per layer (JSON has no NaN)

@@ -182,9 +182,9 @@ class SparseTelemetry:
             return ("sparse prefill: every prompt ubatch ran dense (below the threshold, too short, or without flash "
                     "attention)")
         heads = self.dynamic[self.n_ubatch > 0]
-        return (f"sparse prefill: key blocks computed {self.total_density:.3f} of dense attention's, in "
-                f"{int(self.n_ubatch.sum())} prompt ubatches of {n_sparse} of {len(self.layers)} layers (the others "
-                f"dense); Dynamic heads {int(heads.sum())} of their {heads.size}")
+        return (f"sparse prefill: key blocks computed {self.total_density:.3f} of dense attention's, over "
+                f"{int(self.n_ubatch.sum())} prompt ubatches x layers in {n_sparse} of {len(self.layers)} layers (the "
+                f"others dense); Dynamic heads {int(heads.sum())} of their {heads.size}")
 
     def plot_axes(self, ax_heads: Any, ax_budget: Any, ax_density: Any, fig: Any) -> None:
         """Draw Rigid/Dynamic heads, mean budget per layer x segment and density per layer on three axes."""

@@ -115,7 +115,7 @@ def test_telemetry_and_generate_print_sparse_prefills_blocks(tmp_path):
                       (["generate", "-n", "2"], "none+sparse:threshold=256,base=64")):
         out = run(*cmd, "-f", str(text), "-c", "2048", "--policy", spec)
         assert out.returncode == 0, out.stderr
-        m = re.search(r"sparse prefill: key blocks computed (0\.\d+) of dense attention's, in [1-9]\d* prompt ubatches",
+        m = re.search(r"sparse prefill: key blocks computed (0\.\d+) of dense attention's, over [1-9]\d* prompt ubatches x layers",
                       out.stdout + out.stderr)
         assert m and float(m.group(1)) < 1.0, (cmd, spec, out.stdout, out.stderr)
 

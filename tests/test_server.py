@@ -589,6 +589,9 @@ def test_kv_stats_count_the_host_memory_beside_the_cache(model_path, spec, block
         m = json.loads(json.dumps(kv_stats_of(llm)))  # JSON-ready
         if block is None:  # llama-cpp-python's own reuse without a policy; sparse prefill always evaluates afresh
             assert m["kv_reuse"] == (None if spec is None else "exact") and "host_bytes" not in m
+            if spec is not None:  # sparse prefill's blocks (left out on llama.cpp's cache; found by an audit)
+                sp = llm.kv_sparse()
+                assert m["sparse"]["n_ubatch"] == int(sp.n_ubatch.sum()) and m["sparse"]["density"] == sp.total_density
             return
         mem = llm.kv_memory()
         assert m["kv_reuse"] == "exact" and m["host_bytes"] == mem.host_bytes > 0
