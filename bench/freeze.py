@@ -34,7 +34,7 @@ from pykvcache._native import native
 from pykvcache.checks import MAX_THREADS
 from pykvcache.cli import check_output_path, read_text_file
 from pykvcache.corpus import essays
-from pykvcache.evaluate import answer_in, log_softmax, needle_cases, needle_text
+from pykvcache.evaluate import answer_in, haystack_tokens, log_softmax, needle_cases, needle_text
 from pykvcache.policies import PolicyError, parse_policy
 from pykvcache.recovery import ladder_of
 
@@ -156,7 +156,7 @@ def turn_cases(llm: Llama, hay: str, n_tokens: int, depths: List[float], seed: i
     """Documents of about n_tokens tokens with a fact at each depth, a first turn's instruction, the question."""
     import random
     rng = random.Random(seed + n_tokens)
-    body_all = llm.tokenize(" ".join(hay.split()).encode(), add_bos=False)
+    body_all = haystack_tokens(llm, hay)
     first = llm.tokenize(b"\n\nSummarise the text above in one sentence.\n", add_bos=False)
     cases = []
     for i, depth in enumerate(depths):
@@ -340,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     tok_llm = Llama(n_ctx=64, verbose=False, **({"model_path": args.model} if args.model else {}))
     prompt = tok_llm.tokenize(PROMPT.encode())
     longest = max([int(x) for x in (args.needle_lengths + "," + args.turn_lengths).split(",") if x.strip()], default=0)
-    n_hay = len(tok_llm.tokenize(" ".join(hay.split()).encode(), add_bos=False))  # as needle_cases reads it
+    n_hay = len(haystack_tokens(tok_llm, hay))
     tok_llm.close()
     if n_hay < longest:  # before (a), which takes minutes
         ap.error(f"-f/--file {args.file} has {n_hay} tokens with whitespace collapsed: the longest needle prompt needs "

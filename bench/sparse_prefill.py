@@ -23,7 +23,7 @@ from pykvcache import Llama
 from pykvcache.checks import MAX_THREADS
 from pykvcache.cli import check_output_path, read_text_file
 from pykvcache.corpus import essays
-from pykvcache.evaluate import answer_in, compare_logprobs, log_softmax, needle_cases
+from pykvcache.evaluate import answer_in, compare_logprobs, haystack_tokens, log_softmax, needle_cases
 from pykvcache.policies import PolicyError, parse_policy
 
 N_FOLLOW = 32  # tokens teacher-forced after the prompt (decoded dense: only the prefill differs)
@@ -137,7 +137,7 @@ def main() -> None:
         ap.error(f"-f/--file {args.file} has {len(all_tokens)} tokens: the longest prompt and the {N_FOLLOW} tokens "
                  f"after it need {longest}")
     longest = max([int(x) for x in args.needle_lengths.split(",") if x], default=0)
-    n_hay = len(tok.tokenize(" ".join(text.split()).encode(), add_bos=False))  # as needle_cases reads it
+    n_hay = len(haystack_tokens(tok, text))
     if n_hay < longest:
         ap.error(f"-f/--file {args.file} has {n_hay} tokens with whitespace collapsed: the longest needle prompt needs "
                  f"{longest}")

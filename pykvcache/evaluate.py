@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -148,12 +147,10 @@ class EvalConfig:
         if self.corpus not in corpus.CORPORA:
             raise EvalError(f"unknown corpus '{self.corpus}' (known: {', '.join(corpus.CORPORA)})")
         if self.needles not in NEEDLE_SETS:
-            if self.needles.lower().endswith(".json") or "/" in self.needles:
-                load_needles(self.needles)  # not found, a folder: one line naming the file
-            if not Path(self.needles).is_file():
+            if not (self.needles.lower().endswith(".json") or "/" in self.needles or Path(self.needles).is_file()):
                 raise EvalError(f"unknown needle set '{self.needles}' (known: {', '.join(NEEDLE_SETS)}, or a JSON file "
                                 f"of your own)")
-            load_needles(self.needles)
+            load_needles(self.needles)  # not found, a folder, a bad entry: one line naming the file
         if self.text_file is not None:
             f = Path(self.text_file)
             if f.is_dir():
@@ -262,7 +259,7 @@ def eval_texts(cfg: EvalConfig, llm: Llama) -> Tuple[List[int], str]:
         tokens = every[: cfg.kl_tokens]
         hay = llm.detokenize(every[cfg.kl_tokens:]).decode("utf-8", errors="replace")
         # the haystack as needle_cases reads it (whitespace collapsed: a source file's indentation is gone)
-        n_hay = len(llm.tokenize(" ".join(hay.split()).encode(), add_bos=False)) if len(every) > cfg.kl_tokens else 0
+        n_hay = len(haystack_tokens(llm, hay)) if len(every) > cfg.kl_tokens else 0
         if len(every) < cfg.kl_tokens or n_hay < longest:
             raise EvalError(f"{what} has {len(every)} tokens: the KL text takes the first {cfg.kl_tokens} (kl_tokens) "
                             f"and the needle haystack the rest, which needs {longest} tokens with whitespace collapsed "
@@ -430,11 +427,16 @@ def needle_at(llm: Llama, body: Sequence[int], depth: float) -> int:
     return k0
 
 
+def haystack_tokens(llm: Llama, haystack: str) -> List[int]:
+    """The tokens of a needle haystack, whitespace collapsed (a source file's indentation is gone)."""
+    return llm.tokenize(" ".join(haystack.split()).encode(), add_bos=False)
+
+
 def needle_cases(llm: Llama, haystack: str, n_tokens: int, depths: Sequence[float], seed: int,
                  kind: str = "classic") -> List[Dict[str, Any]]:
     """Prompts of n_tokens tokens with a fact at each depth (after a sentence end), and their answers."""
     rng = random.Random(seed + n_tokens)
-    hay = llm.tokenize(" ".join(haystack.split()).encode(), add_bos=False)
+    hay = haystack_tokens(llm, haystack)
     cases = []
     for i, depth in enumerate(depths):
         fact, ask, answer = needle_text(kind, i, n_tokens, rng)

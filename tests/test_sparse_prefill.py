@@ -155,17 +155,23 @@ def test_without_flash_attention_prefill_stays_dense(model_path, prompt, dense):
     llm.close()
 
 
+def warns_and_runs_dense(model_path, tokens, spec, n_ctx, says):
+    """A Llama that warns at construction that its prompts run dense, and does: no sparse ubatch over `tokens`."""
+    with pytest.warns(UserWarning, match=says):
+        llm = Llama(model_path, n_ctx=n_ctx, kv_policy=spec, verbose=False)
+    llm.eval(tokens)
+    assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
+    llm.close()
+
+
 def test_a_budget_whose_layers_never_reach_the_threshold_says_its_prompts_run_dense(model_path, prompt):
     """Found by an audit: entropy:budget=0.25+sparse ran its prompts dense, silently, with density 1.0 in every
     telemetry. A uniform budget's layers hold the budget, a chunk and the window (snapkv:budget=0.25: 1184 cells at
     n_ctx 4096, below threshold=2048). Entropy's layers grow to max_layer (twice the mean) as a prompt comes: a later
     audit saw entropy:budget=0.4+sparse warn at 1824 cells, then run sparse in layers of 2080-3040 cells."""
-    with pytest.warns(UserWarning, match=r"kv_policy 'snapkv' with \+sparse: its layers hold at most 1184 cells .*"
-                                         r"below sparse's threshold=2048, so every prompt runs dense"):
-        llm = Llama(model_path, n_ctx=4096, kv_policy="snapkv:budget=0.25+sparse", verbose=False)
-    llm.eval(prompt[:800])
-    assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
-    llm.close()
+    warns_and_runs_dense(model_path, prompt[:800], "snapkv:budget=0.25+sparse", 4096,
+                         r"kv_policy 'snapkv' with \+sparse: its layers hold at most 1184 cells .*"
+                         r"below sparse's threshold=2048, so every prompt runs dense")
     with pytest.warns(UserWarning, match=r"kv_policy 'entropy' with \+sparse: its layers hold at most 985 cells .*"
                                          r"\(the largest layer budget, a prompt chunk and the window\)"):
         Llama(model_path, n_ctx=4096, kv_policy="entropy:budget=0.1+sparse", verbose=False).close()  # 2*409.6 + 166
@@ -183,12 +189,9 @@ def test_a_context_smaller_than_the_threshold_says_its_prompts_run_dense(model_p
     """Found by an audit: none+sparse at llama-cpp-python's default n_ctx=512, or 1024 or 2048, never ran sparse (the
     cells in use never reach threshold=2048), silently, with density 1.0. At n_ctx 2048 only a prompt of all 2048
     tokens reaches it: a completion's prompt leaves a position free for its answer."""
-    with pytest.warns(UserWarning, match=r"kv_policy 'none' with \+sparse: this context holds at most n_ctx=1024 "
-                                         r"tokens, below sparse's threshold=2048, so its prompts run dense"):
-        llm = Llama(model_path, n_ctx=1024, kv_policy="none+sparse", verbose=False)
-    llm.eval(prompt[:1000])
-    assert (llm.kv_sparse().n_ubatch == 0).all()  # as it said
-    llm.close()
+    warns_and_runs_dense(model_path, prompt[:1000], "none+sparse", 1024,
+                         r"kv_policy 'none' with \+sparse: this context holds at most n_ctx=1024 tokens, below "
+                         r"sparse's threshold=2048, so its prompts run dense")
     with pytest.warns(UserWarning, match=r"at most n_ctx=2048 tokens, only a prompt of all 2048 reaches sparse's "
                                          r"threshold=2048"):
         Llama(model_path, n_ctx=2048, kv_policy="none+sparse", verbose=False).close()
